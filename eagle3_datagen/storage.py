@@ -1,0 +1,104 @@
+"""One storage layer for every artifact: a run folder on any fsspec filesystem (local by default, s3:// via s3fs).
+
+Paths are always relative to the run's root and cannot escape it. Whole-file writes are atomic: a reader sees
+the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+
+class StoragePathError(ValueError):
+    """A relative path that would leave the run's folder."""
+
+
+class RunStore:
+    """The folder `{output_uri}/{run_name}/` and the only way stages read and write artifacts."""
+
+    def __init__(self, output_uri: str, run_name: str) -> None:
+        self.fs, base = url_to_fs(output_uri)
+        self._local = "file" in _protocols(self.fs)
+        self.root = posixpath.join(base.rstrip("/"), run_name)
+        self.uri = self.fs.unstrip_protocol(self.root) if not self._local else self.root
+
+    def path(self, rel: str) -> str:
+        """Absolute path of `rel` inside the run folder; refuses anything that would escape it."""
+        norm = posixpath.normpath(rel)
+        if rel.startswith("/") or norm == ".." or norm.startswith("../") or "\\" in rel:
+            raise StoragePathError(f"storage path {rel!r} leaves the run folder")
+        return posixpath.join(self.root, norm)
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode("utf-8")
+
+    def read_json(self, rel: str) -> Any:
+        return json.loads(self.read_bytes(rel))
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Atomic whole-file write: a temporary sibling then a rename (local), or one PUT (object stores)."""
+        target = self.path(rel)
+        self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
+        if not self._local:
+            self.fs.pipe_file(target, data)
+            return
+        tmp = f"{target}.tmp-{uuid.uuid4().hex}"
+        with self.fs.open(tmp, "wb") as handle:
+            handle.write(data)
+        self.fs.mv(tmp, target)
+
+    def write_text(self, rel: str, text: str) -> None:
+        self.write_bytes(rel, text.encode("utf-8"))
+
+    def write_json(self, rel: str, value: Any) -> None:
+        self.write_bytes(rel, (json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode())
+
+    def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in self.read_text(rel).splitlines() if line.strip()]
+
+    def write_jsonl(self, rel: str, rows: list[dict[str, Any]]) -> None:
+        self.write_text(rel, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+    @contextmanager
+    def open(self, rel: str, mode: str = "rb", **kwargs: Any) -> Iterator[IO[Any]]:
+        """A streaming handle (multipart upload on S3 for large writes)."""
+        target = self.path(rel)
+        if "w" in mode or "a" in mode:
+            self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
+        with self.fs.open(target, mode, **kwargs) as handle:
+            yield handle
+
+    def list(self, rel_dir: str, suffix: str = "") -> list[str]:
+        """Relative paths of the files directly in `rel_dir` ending with `suffix`, sorted."""
+        folder = self.path(rel_dir)
+        if not self.fs.exists(folder):
+            return []
+        names = sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(folder, detail=False))
+        return [posixpath.join(rel_dir, n) for n in names if n.endswith(suffix) and ".tmp-" not in n]
+
+    def remove(self, rel: str) -> None:
+        if self.exists(rel):
+            self.fs.rm(self.path(rel), recursive=True)
+
+    def local_path(self, rel: str) -> str | None:
+        """The plain filesystem path when the run lives on local disk (for appending partial files)."""
+        return self.path(rel) if self._local else None
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:
+    proto = fs.protocol
+    return {proto} if isinstance(proto, str) else set(proto)
