@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-STAGES = ("prompts", "generations", "validation", "sequences", "hidden_states")
+MANIFEST = "manifest.json"
 
 
 def shard_name(index: int) -> str:

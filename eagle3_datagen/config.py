@@ -45,6 +45,7 @@ class ServerConfig(_Section):
     startup_timeout_s: float = Field(default=600.0, gt=0, description="How long to wait for /health.")
     request_timeout_s: float = Field(default=3600.0, gt=0, description="Per request; reasoning can be long.")
     max_retries: int = Field(default=5, ge=0, description="Retries of a request on 408/429/5xx and dropped links.")
+    retry_backoff_s: float = Field(default=1.0, gt=0, description="First retry delay; doubles each try, jittered.")
 
     @field_validator("endpoints")
     @classmethod

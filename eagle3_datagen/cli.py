@@ -1,0 +1,86 @@
+"""The `eagle3-datagen` command: run the pipeline, run the demo, probe a tokenizer.
+
+Every failure a user can fix prints as one line naming the fix, with exit status 2 (config) or 1 (run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def _run(config: Any) -> dict[str, Any]:
+    from eagle3_datagen.runner import run_pipeline
+
+    return run_pipeline(config)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from eagle3_datagen.config import load_config
+
+    return _print_summary(_run(load_config(args.config, args.set)))
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from eagle3_datagen.demo import run_demo
+
+    return _print_summary(run_demo(Path(args.output_uri)))
+
+
+def cmd_probe_tokenizer(args: argparse.Namespace) -> int:
+    from eagle3_datagen.profiles import BUILTIN_PROFILES
+    from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
+
+    spec = discover_think_tokens(load_tokenizer(args.tokenizer), BUILTIN_PROFILES[args.profile])
+    print(json.dumps(spec.as_dict(), indent=2, ensure_ascii=False))
+    return 0
+
+
+def _print_summary(summary: dict[str, Any]) -> int:
+    print(summary["report"])
+    for line in summary.get("stages", []):
+        print(line)
+    print(f"artifacts: {summary['run_uri']}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from eagle3_datagen.profiles import BUILTIN_PROFILES
+
+    parser = argparse.ArgumentParser(prog="eagle3-datagen", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run the pipeline from a YAML config")
+    run.add_argument("--config", required=True, help="path to the run's YAML config")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. --set data.limit=100 (repeatable)")
+    run.set_defaults(func=cmd_run)
+    demo = commands.add_parser("demo", help="run everything on the embedded tiny model and demo questions")
+    demo.add_argument("--output-uri", default="runs", help="where the demo run is written (default ./runs)")
+    demo.set_defaults(func=cmd_demo)
+    probe = commands.add_parser("probe-tokenizer", help="find and prove a tokenizer's think-token ids")
+    probe.add_argument("tokenizer", help="tokenizer folder or hub id")
+    probe.add_argument("--profile", default="kimi-k2.5", choices=sorted(BUILTIN_PROFILES))
+    probe.set_defaults(func=cmd_probe_tokenizer)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from eagle3_datagen.errors import user_error_message
+
+    try:
+        return args.func(args)
+    except Exception as error:
+        message, status = user_error_message(error)
+        if message is None:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""The OpenAI-protocol client: request bodies, response shapes, and reading reasoning from every form servers send.
+
+Raw HTTP, not the OpenAI SDK: `chat_template_kwargs` and `return_token_ids` must be top-level body keys, and the
+reasoning field has had three names (`reasoning`, `reasoning_content`, inline `<think>` tags).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from eagle3_datagen.config import GenerationConfig
+from eagle3_datagen.profiles import ModelProfile
+
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+
+
+class ProtocolError(RuntimeError):
+    """A response that does not follow the protocol (missing choices, conflicting reasoning fields...)."""
+
+
+class RequestFailed(RuntimeError):
+    """A request the server refused; `retryable` says whether trying again can help."""
+
+    def __init__(self, message: str, status: int | None, retryable: bool) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retryable = retryable
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One choice of a chat completion, with its reasoning already separated from its answer."""
+
+    reasoning: str
+    content: str
+    finish_reason: str | None
+    reasoning_source: str  # a field name, "inline" (split here from content), or "none"
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[int] | None
+    usage: dict[str, Any]
+    model: str
+    unread_fields: dict[str, str] = field(default_factory=dict)  # other long text fields of the message
+
+
+def build_chat_request(
+    model: str,
+    messages: list[dict[str, str]],
+    profile: ModelProfile,
+    generation: GenerationConfig,
+    *,
+    seed: int | None = None,
+    stream: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
+    max_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The JSON body of a chat completion with thinking switched on the way this model wants."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens or generation.max_tokens,
+        "temperature": generation.temperature,
+        "top_p": generation.top_p,
+        "return_token_ids": True,
+        "skip_special_tokens": False,
+        "stream": stream,
+    }
+    kwargs = dict(profile.chat_template_kwargs if template_kwargs is None else template_kwargs)
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    if profile.reasoning_effort:
+        body["reasoning_effort"] = profile.reasoning_effort
+    if seed is not None:
+        body["seed"] = seed
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    body.update(generation.extra_body)
+    return body
+
+
+def split_inline_reasoning(text: str, profile: ModelProfile) -> tuple[str, str] | None:
+    """Split `[<think>]reasoning</think>answer` as sent by a server without a reasoning parser; None if no tags."""
+    end = text.find(profile.think_end)
+    if end < 0:
+        return None
+    reasoning = text[:end]
+    start = reasoning.find(profile.think_start)
+    if start >= 0 and not reasoning[:start].strip():
+        reasoning = reasoning[start + len(profile.think_start) :]
+    return reasoning, text[end + len(profile.think_end) :]
+
+
+def read_message(message: Mapping[str, Any], profile: ModelProfile) -> tuple[str, str, str]:
+    """(reasoning, content, source) from a chat message or an accumulated stream delta."""
+    content = message.get("content") or ""
+    found = {name: message[name] for name in REASONING_FIELDS if message.get(name)}
+    if len(set(found.values())) > 1:
+        raise ProtocolError("server sent different `reasoning` and `reasoning_content`; refusing to guess")
+    if found:
+        return next(iter(found.values())), content, "+".join(found)
+    split = split_inline_reasoning(content, profile)
+    if split is not None:
+        return split[0], split[1], "inline"
+    return "", content, "none"
+
+
+def _unread_text_fields(message: Mapping[str, Any]) -> dict[str, str]:
+    known = {"role", "content", "refusal", "tool_calls", "function_call", "annotations", "audio", "name"}
+    known.update(REASONING_FIELDS)
+    return {k: v for k, v in message.items() if k not in known and isinstance(v, str) and v.strip()}
+
+
+def parse_chat_response(body: Mapping[str, Any], profile: ModelProfile) -> list[Completion]:
+    """Every choice of a non-streaming chat completion response."""
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise ProtocolError(f"response has no choices: {json.dumps(body)[:200]}")
+    completions = []
+    for choice in choices:
+        message = choice.get("message") or {}
+        reasoning, content, source = read_message(message, profile)
+        completions.append(
+            Completion(
+                reasoning=reasoning,
+                content=content,
+                finish_reason=choice.get("finish_reason"),
+                reasoning_source=source,
+                prompt_token_ids=body.get("prompt_token_ids"),
+                completion_token_ids=choice.get("token_ids"),
+                usage=body.get("usage") or {},
+                model=body.get("model", ""),
+                unread_fields=_unread_text_fields(message),
+            )
+        )
+    return completions
+
+
+async def parse_chat_stream(lines: AsyncIterator[str], profile: ModelProfile) -> list[Completion]:
+    """Accumulate a server-sent-events stream into the same Completions a non-streaming call gives."""
+    parts: dict[int, dict[str, Any]] = {}
+    top: dict[str, Any] = {}
+    async for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            break
+        chunk = json.loads(data)
+        for key in ("model", "usage", "prompt_token_ids"):
+            if chunk.get(key):
+                top[key] = chunk[key]
+        for choice in chunk.get("choices") or []:
+            acc = parts.setdefault(choice.get("index", 0), {"message": {}, "token_ids": []})
+            for name, value in (choice.get("delta") or {}).items():
+                if isinstance(value, str):
+                    acc["message"][name] = acc["message"].get(name, "") + value
+            acc["token_ids"].extend(choice.get("token_ids") or [])
+            if choice.get("finish_reason"):
+                acc["finish_reason"] = choice["finish_reason"]
+    choices = [
+        {"message": acc["message"], "finish_reason": acc.get("finish_reason"), "token_ids": acc["token_ids"] or None}
+        for _, acc in sorted(parts.items())
+    ]
+    return parse_chat_response({**top, "choices": choices}, profile)
+
+
+class OpenAIClient:
+    """A small async client for one vLLM endpoint; the API key comes from the environment only."""
+
+    def __init__(self, base_url: str, api_key_env: str, timeout_s: float, max_connections: int = 64) -> None:
+        self.base_url = base_url
+        headers = {}
+        api_key = os.environ.get(api_key_env)
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def __aenter__(self) -> OpenAIClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self._http.get("/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def served_models(self) -> list[str]:
+        response = await self._http.get("/v1/models", timeout=10.0)
+        _raise_for_status(response)
+        return [entry["id"] for entry in response.json().get("data", [])]
+
+    async def chat(self, body: dict[str, Any], profile: ModelProfile) -> list[Completion]:
+        """One chat completion; transport failures and refusals become RequestFailed with `retryable` set."""
+        try:
+            if body.get("stream"):
+                async with self._http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        _raise_for_status(response)
+                    return await parse_chat_stream(response.aiter_lines(), profile)
+            response = await self._http.post("/v1/chat/completions", json=body)
+            _raise_for_status(response)
+            try:
+                payload = response.json()
+            except ValueError as error:
+                raise RequestFailed(f"malformed JSON from {self.base_url}: {error}", 200, True) from None
+            return parse_chat_response(payload, profile)
+        except httpx.TimeoutException as error:
+            raise RequestFailed(f"timeout talking to {self.base_url}: {type(error).__name__}", None, True) from None
+        except httpx.TransportError as error:
+            raise RequestFailed(f"connection to {self.base_url} failed: {error!r}", None, True) from None
+        except ProtocolError as error:
+            raise RequestFailed(f"{self.base_url}: {error}", 200, True) from None
+
+
+def _raise_for_status(response: httpx.Response) -> None:
+    if response.status_code == 200:
+        return
+    try:
+        detail = response.json()
+        detail = detail.get("error", detail) if isinstance(detail, dict) else detail
+        message = detail.get("message", detail) if isinstance(detail, dict) else detail
+    except ValueError:
+        message = response.text[:300]
+    raise RequestFailed(
+        f"HTTP {response.status_code} from {response.request.url}: {message}",
+        response.status_code,
+        response.status_code in RETRYABLE_STATUS,
+    )

@@ -1,0 +1,54 @@
+"""Runs the pipeline flow in-process (Prefect's local mode, or the API named by PREFECT_API_URL)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from eagle3_datagen.config import PipelineConfig
+from eagle3_datagen.storage import RunStore
+
+
+def result_storage_for(config: PipelineConfig) -> Path | None:
+    """Prefect task results (the cache) live beside the run's artifacts when the run is on local disk.
+
+    Deleting a run folder then deletes its cache too, so a cache hit never points at missing artifacts.
+    """
+    local = RunStore(config.output_uri, config.run_name).local_path(".prefect-results")
+    return Path(local) if local else None
+
+
+async def _stage_lines(flow_run_id: UUID) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as client:
+        runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    by_stage: dict[str, list[Any]] = defaultdict(list)
+    for run in runs:
+        by_stage[run.task_key.rsplit("-", 1)[0] if run.task_key else run.name].append(run)
+    lines = []
+    for stage, stage_runs in sorted(by_stage.items(), key=lambda kv: min(r.expected_start_time for r in kv[1])):
+        states: dict[str, int] = defaultdict(int)
+        for run in stage_runs:
+            states[run.state_name or "?"] += 1
+        seconds = sum(run.total_run_time.total_seconds() for run in stage_runs)
+        summary = ", ".join(f"{n} {name}" for name, n in sorted(states.items()))
+        lines.append(f"stage {stage:<24} {summary:<28} {seconds:8.1f}s")
+    return lines
+
+
+def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
+    """Run the flow; returns the run summary plus one line per stage (task states and time)."""
+    from flows.pipeline import pipeline
+
+    storage = result_storage_for(config)
+    flow = pipeline.with_options(result_storage=storage) if storage else pipeline
+    state = flow(config, return_state=True)
+    flow_run_id = state.state_details.flow_run_id
+    stages = asyncio.run(_stage_lines(flow_run_id)) if flow_run_id else []
+    summary = state.result()
+    return {**summary, "stages": stages}

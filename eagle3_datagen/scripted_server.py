@@ -1,0 +1,182 @@
+"""A small OpenAI-protocol server with scripted behaviour, for fault injection and for response shapes that
+current vLLM no longer sends (`reasoning_content` only, both fields, inline tags, gpt-oss channels).
+
+Not a model: the answer text is derived from the question so tests can check it byte for byte. It keeps its
+own log of requests and of the number in flight, which tests assert against.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+SHAPES = (
+    "reasoning",  # vLLM >= 0.16
+    "reasoning_content",  # older vLLM
+    "both",  # the transition releases
+    "inline",  # no reasoning parser: "...</think>answer"
+    "inline_with_start",  # no reasoning parser: "<think>...</think>answer"
+    "gpt_oss",  # harmony channels inline in content
+    "other_field",  # reasoning under a name no client reads
+    "none",  # thinking off or ignored
+)
+
+
+def expected_reasoning(question: str) -> str:
+    """What the scripted server reasons about a question (non-ASCII on purpose)."""
+    return f"\nThe user asks: «{question}». Let me think step by step… 🤔\n"
+
+
+def expected_content(question: str) -> str:
+    return f"\n\nAnswer to «{question[:40]}»: 42 ✅"
+
+
+@dataclass
+class Script:
+    """What the server does; tests change it between runs."""
+
+    model: str = "scripted-model"
+    shape: str = "reasoning"
+    return_token_ids: bool = True
+    latency_s: float = 0.0
+    fail_statuses: list[int] = field(default_factory=list)  # statuses returned by the next requests, in order
+    think_start: str = "<think>"
+    think_end: str = "</think>"
+
+
+@dataclass
+class Log:
+    requests: int = 0
+    in_flight: int = 0
+    max_in_flight: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    in_flight_samples: list[tuple[float, int]] = field(default_factory=list)
+
+
+def _message(question: str, body: dict[str, Any], script: Script) -> dict[str, Any]:
+    reasoning, content = expected_reasoning(question), expected_content(question)
+    thinking = (body.get("chat_template_kwargs") or {}) != {"enable_thinking": False}
+    if script.shape == "none" or not thinking:
+        return {"role": "assistant", "content": content.strip()}
+    shapes: dict[str, dict[str, Any]] = {
+        "reasoning": {"reasoning": reasoning, "content": content},
+        "reasoning_content": {"reasoning_content": reasoning, "content": content},
+        "both": {"reasoning": reasoning, "reasoning_content": reasoning, "content": content},
+        "inline": {"content": f"{reasoning}{script.think_end}{content}"},
+        "inline_with_start": {"content": f"{script.think_start}{reasoning}{script.think_end}{content}"},
+        "gpt_oss": {"content": f"{script.think_start}{reasoning}{script.think_end}{content}"},
+        "other_field": {"thinking": reasoning, "content": content},
+    }
+    return {"role": "assistant", **shapes[script.shape]}
+
+
+class ScriptedServer:
+    """Runs the app with uvicorn in a background thread on a free loopback port."""
+
+    def __init__(self, script: Script | None = None) -> None:
+        self.script = script or Script()
+        self.log = Log()
+        self._lock = threading.Lock()
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        app = Starlette(routes=[
+            Route("/health", self._health),
+            Route("/v1/models", self._models),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+        ])
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> ScriptedServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("scripted server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": self.script.model, "object": "model"}]})
+
+    async def _chat(self, request: Request) -> Response:
+        body = await request.json()
+        with self._lock:
+            self.log.requests += 1
+            self.log.bodies.append(body)
+            status = self.script.fail_statuses.pop(0) if self.script.fail_statuses else 200
+            self.log.in_flight += 1
+            self.log.max_in_flight = max(self.log.max_in_flight, self.log.in_flight)
+            self.log.in_flight_samples.append((time.monotonic(), self.log.in_flight))
+        try:
+            if self.script.latency_s:
+                await asyncio.sleep(self.script.latency_s)
+            if status != 200:
+                return JSONResponse({"error": {"message": f"scripted failure {status}", "code": status}},
+                                    status_code=status)
+            question = body["messages"][-1]["content"]
+            message = _message(question, body, self.script)
+            if body.get("stream"):
+                return StreamingResponse(self._stream(message), media_type="text/event-stream")
+            return JSONResponse(self._completion(message))
+        finally:
+            with self._lock:
+                self.log.in_flight -= 1
+                self.log.in_flight_samples.append((time.monotonic(), self.log.in_flight))
+
+    def _completion(self, message: dict[str, Any]) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "id": "chatcmpl-scripted",
+            "object": "chat.completion",
+            "model": self.script.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24},
+        }
+        if self.script.return_token_ids:
+            payload["prompt_token_ids"] = list(range(8))
+            payload["choices"][0]["token_ids"] = list(range(100, 116))
+        return payload
+
+    async def _stream(self, message: dict[str, Any]):  # type: ignore[no-untyped-def]
+        """Split every text field into small deltas, as vLLM streams them."""
+        first = {"model": self.script.model, "choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+        if self.script.return_token_ids:
+            first["prompt_token_ids"] = list(range(8))
+        yield f"data: {json.dumps(first)}\n\n"
+        for name, text in message.items():
+            if name == "role":
+                continue
+            for start in range(0, len(text), 5):
+                delta = {"index": 0, "delta": {name: text[start:start + 5]}}
+                if self.script.return_token_ids:
+                    delta["token_ids"] = [100 + start // 5]
+                yield f"data: {json.dumps({'model': self.script.model, 'choices': [delta]})}\n\n"
+        last = {"model": self.script.model, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24}}
+        yield f"data: {json.dumps(last)}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

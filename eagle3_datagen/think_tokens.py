@@ -1,0 +1,92 @@
+"""Think-token discovery: prove the model's think tags are single token ids and learn what its template writes.
+
+Reconstruction trusts nothing it has not checked here: a tag that splits into text pieces, or a template that
+already writes the start tag, changes every training sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from eagle3_datagen.profiles import ModelProfile
+
+
+class ThinkTokenError(ValueError):
+    """The tokenizer cannot represent this profile's think tags as single ids."""
+
+
+@dataclass(frozen=True)
+class ThinkTokenSpec:
+    think_start: str
+    think_end: str
+    end_of_turn: str
+    start_id: int
+    end_id: int
+    end_of_turn_id: int
+    template_writes_start_tag: bool  # found by rendering the generation prompt
+    generation_prompt_suffix: str  # what the rendered prompt ends with, for the report
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@lru_cache(maxsize=8)
+def load_tokenizer(path_or_id: str) -> PreTrainedTokenizerBase:
+    """A tokenizer loaded once per process; remote code is never executed."""
+    try:
+        return AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        raise ThinkTokenError(
+            f"cannot load tokenizer {path_or_id!r} ({str(error).splitlines()[0]}): "
+            "set model.tokenizer to a local tokenizer folder or a reachable hub id"
+        ) from None
+
+
+def single_token_id(tokenizer: PreTrainedTokenizerBase, text: str, role: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise ThinkTokenError(
+            f"the tokenizer encodes the {role} {text!r} as {len(ids)} tokens {pieces}, not one id: "
+            "this tokenizer has no single-token tag for it; check model.tokenizer and the profile's tags"
+        )
+    return ids[0]
+
+
+def render_generation_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], profile: ModelProfile
+) -> str:
+    """The prompt text exactly as the server renders it: generation prompt on, thinking switched on."""
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **profile.chat_template_kwargs
+    )
+
+
+def discover_think_tokens(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile) -> ThinkTokenSpec:
+    """Find and prove the think-token ids and whether the template writes the start tag."""
+    if not profile.single_token_tags:
+        raise ThinkTokenError(
+            "this profile marks reasoning with multi-token channels (gpt-oss harmony): rebuild from "
+            "the server's token ids only; single-token think-tag discovery does not apply"
+        )
+    start_id = single_token_id(tokenizer, profile.think_start, "think start tag")
+    end_id = single_token_id(tokenizer, profile.think_end, "think end tag")
+    end_of_turn_id = single_token_id(tokenizer, profile.end_of_turn, "end-of-turn token")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ThinkTokenError("the tokenizer has no chat template: use the model's own tokenizer folder")
+    rendered = render_generation_prompt(tokenizer, [{"role": "user", "content": "2+2?"}], profile)
+    writes_start = rendered.rstrip().endswith(profile.think_start)
+    return ThinkTokenSpec(
+        think_start=profile.think_start,
+        think_end=profile.think_end,
+        end_of_turn=profile.end_of_turn,
+        start_id=start_id,
+        end_id=end_id,
+        end_of_turn_id=end_of_turn_id,
+        template_writes_start_tag=writes_start,
+        generation_prompt_suffix=rendered[-40:],
+    )

@@ -1,0 +1,51 @@
+"""The EAGLE-3 data pipeline: prompts → generations → validation → sequences → hidden states."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, unmapped
+from prefect.futures import PrefectFuture
+from prefect.utilities.annotations import allow_failure
+from tasks.prompts import load_prompts
+
+from eagle3_datagen.config import PipelineConfig
+from tasks.generation import GenerationSettings, generate, unfinished_shards
+from tasks.health import check_servers
+from tasks.hidden_states import extract_hidden_states
+from tasks.report import finish_run, start_run
+from tasks.sequences import build_sequence_shard
+from tasks.validation import validate_generations
+
+
+@flow(name="eagle3-datagen", log_prints=True)
+def pipeline(config: PipelineConfig) -> dict[str, Any]:
+    """Turn a prompt dataset into EAGLE-3 training data; every stage resumes and caches by content."""
+    where = {"output_uri": config.output_uri, "run_name": config.run_name}
+    context = start_run(config)
+    prompts = load_prompts(config.data, **where)
+    settings = GenerationSettings(config.model.name, config.profile, config.generation, config.data.source)
+
+    if unfinished_shards(prompts.shards, **where):
+        check_servers(config.model.name, config.profile, config.server, config.generation, config.validation,
+                      prompts.shards[0], **where)
+    generations = generate(prompts.shards, settings, config.server, config.validation, **where)
+
+    at = {key: unmapped(value) for key, value in where.items()}
+    validated = validate_generations.map(
+        generations, unmapped(config.profile), unmapped(config.model.tokenizer), unmapped(config.validation),
+        **at)
+    sequences = build_sequence_shard.map(
+        validated, unmapped(config.profile), unmapped(config.model.tokenizer),
+        unmapped(context.tokenizer_fingerprint), unmapped(config.sequences),
+        **at)
+    hidden: list[PrefectFuture[Any]] = []
+    if config.hidden_states.backend != "none":
+        hidden = extract_hidden_states.map(
+            sequences, unmapped(config.hidden_states), unmapped(config.target_model),
+            unmapped(context.target_fingerprint), **at)
+
+    return finish_run.submit(
+        config, context, prompts.rows, prompts.rejected, len(prompts.shards),
+        wait_for=[allow_failure(f) for f in [*validated, *sequences, *hidden]],
+    ).result()

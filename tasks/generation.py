@@ -1,0 +1,410 @@
+"""Stage 3: chat completions for every prompt, with one in-flight budget per endpoint shared by all shards.
+
+Shards are the unit of storage and re-runs, not of concurrency: a request starts the moment any finishes,
+whatever shard it belongs to. Records are appended to a shard's partial log as they complete, so a killed
+run resumes without repeating a finished request; a finished shard is written atomically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, sha256_hex
+from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
+from eagle3_datagen.profiles import ModelProfile
+from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, build_chat_request
+from eagle3_datagen.storage import RunStore
+from tasks.health import ServerCheckFailed, diagnose
+
+SETTINGS_FILE = "generations/settings.json"
+ENDPOINT_FAILURES_BEFORE_BACKOFF = 3
+
+
+class GenerationError(RuntimeError):
+    """Generation could not finish; finished records are kept and a re-run resumes from them."""
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Everything that changes a generated record. A resume under different settings is refused."""
+
+    model: str
+    profile: ModelProfile
+    generation: GenerationConfig
+    prompt_source: str
+
+    def fingerprint(self) -> str:
+        payload = {
+            "model": self.model,
+            "profile": self.profile.model_dump(),
+            "generation": self.generation.model_dump(),
+            "prompt_source": self.prompt_source,
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class _Item:
+    shard: int
+    position: int
+    record_id: str
+    messages: list[dict[str, str]]
+    seed: int | None
+
+
+@dataclass
+class _Endpoint:
+    url: str
+    client: OpenAIClient
+    in_flight: int = 0
+    failures: int = 0
+    available_at: float = 0.0
+    sent: int = 0
+
+
+class EndpointPool:
+    """The shared in-flight budget: picks the endpoint with the most free slots, backs off failing ones."""
+
+    def __init__(self, endpoints: list[_Endpoint], budget: int, backoff_s: float) -> None:
+        self.endpoints = endpoints
+        self.budget = budget
+        self._backoff_s = backoff_s
+        self._changed = asyncio.Condition()
+
+    async def acquire(self) -> _Endpoint:
+        async with self._changed:
+            while True:
+                now = time.monotonic()
+                ready = [e for e in self.endpoints if e.in_flight < self.budget and e.available_at <= now]
+                if ready:
+                    chosen = max(ready, key=lambda e: self.budget - e.in_flight)
+                    chosen.in_flight += 1
+                    chosen.sent += 1
+                    return chosen
+                waits = [e.available_at - now for e in self.endpoints if e.available_at > now]
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), timeout=min(waits) if waits else None)
+
+    async def release(self, endpoint: _Endpoint, healthy: bool) -> None:
+        async with self._changed:
+            endpoint.in_flight -= 1
+            if healthy:
+                endpoint.failures = 0
+            else:
+                endpoint.failures += 1
+                if endpoint.failures >= ENDPOINT_FAILURES_BEFORE_BACKOFF:
+                    exponent = endpoint.failures - ENDPOINT_FAILURES_BEFORE_BACKOFF
+                    endpoint.available_at = time.monotonic() + min(60.0, self._backoff_s * 2**exponent)
+            self._changed.notify_all()
+
+
+class ProbationGate:
+    """Lets only the first N requests of a run out until their reasoning is checked.
+
+    This bounds the cost of a run that was never told to think (or whose reasoning nobody reads) to N requests.
+    """
+
+    def __init__(self, size: int, max_empty_rate: float, check: Callable[[list[Completion]], None]) -> None:
+        self.size = size
+        self.max_empty_rate = max_empty_rate
+        self._check = check
+        self._started = 0
+        self._finished = 0
+        self._results: list[Completion] = []
+        self._open = asyncio.Event()
+        self._error: BaseException | None = None
+        if size == 0:
+            self._open.set()
+
+    async def admit(self) -> None:
+        if not self._open.is_set() and self._started < self.size:
+            self._started += 1
+            return
+        await self._open.wait()
+        if self._error is not None:
+            raise self._error
+
+    def observe(self, completion: Completion | None) -> None:
+        """Count a finished request of the probation window (None: it ended without a completion)."""
+        if self._open.is_set():
+            return
+        self._finished += 1
+        if completion is not None:
+            self._results.append(completion)
+        if self._finished >= self.size:
+            self._evaluate()
+
+    def _evaluate(self) -> None:
+        empty = [c for c in self._results if not c.reasoning.strip()]
+        rate = len(empty) / max(1, len(self._results))
+        if empty and rate > self.max_empty_rate:
+            try:
+                self._check(empty)
+                reason = "the server sent no reasoning for them"
+            except ServerCheckFailed as diagnosis:
+                reason = str(diagnosis)
+            self._error = GenerationError(
+                f"early abort: {len(empty)} of the first {len(self._results)} records have empty reasoning "
+                f"({rate:.0%} > validation.max_empty_reasoning_rate {self.max_empty_rate:.0%}); {reason}"
+            )
+        self._open.set()
+
+
+def partial_log_path(store: RunStore, index: int) -> Path:
+    """Where a shard's partial log lives: beside the shard on local disk, else in a local spool folder."""
+    rel = artifact_path("generations", index).replace(".jsonl", ".partial.jsonl")
+    local = store.local_path(rel)
+    if local is not None:
+        return Path(local)
+    spool = Path(os.environ.get("EAGLE3_SPOOL_DIR", Path.home() / ".cache" / "eagle3-datagen" / "partials"))
+    return spool / hashlib.sha256(store.uri.encode()).hexdigest()[:16] / rel
+
+
+def read_partial_log(path: Path) -> dict[int, dict[str, Any]]:
+    """Finished entries by position; a torn last line (killed mid-write) is ignored."""
+    done: dict[int, dict[str, Any]] = {}
+    if not path.exists():
+        return done
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[entry["position"]] = entry
+    return done
+
+
+@dataclass
+class _ShardState:
+    ref: ShardRef
+    size: int
+    log_path: Path
+    entries: dict[int, dict[str, Any]] = field(default_factory=dict)
+    log: Any = None
+
+    def append(self, entry: dict[str, Any]) -> None:
+        if self.log is None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self.log = self.log_path.open("a", encoding="utf-8")
+        self.log.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self.log.flush()
+        self.entries[entry["position"]] = entry
+
+    @property
+    def complete(self) -> bool:
+        return len(self.entries) == self.size
+
+
+def _record(item: _Item, done: Completion) -> dict[str, Any]:
+    return {
+        "id": item.record_id,
+        "messages": item.messages,
+        "reasoning": done.reasoning,
+        "content": done.content,
+        "finish_reason": done.finish_reason,
+        "reasoning_source": done.reasoning_source,
+        "prompt_token_ids": done.prompt_token_ids,
+        "completion_token_ids": done.completion_token_ids,
+        "usage": done.usage,
+    }
+
+
+def finalize_shard(store: RunStore, state: _ShardState) -> ShardRef:
+    """Write the finished shard atomically (records in prompt order), its rejections, then drop the log."""
+    ordered = [state.entries[p] for p in sorted(state.entries)]
+    records = [e["record"] for e in ordered if "record" in e]
+    rejected = [e["rejected"] for e in ordered if "rejected" in e]
+    if rejected:
+        store.write_jsonl(rejected_path("generations", state.ref.index), rejected)
+    path = artifact_path("generations", state.ref.index)
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+    store.write_bytes(path, data)
+    if state.log is not None:
+        state.log.close()
+    state.log_path.unlink(missing_ok=True)
+    return ShardRef("generations", state.ref.index, path, len(records), sha256_hex(data))
+
+
+def finished_shard_ref(store: RunStore, index: int) -> ShardRef | None:
+    path = artifact_path("generations", index)
+    if not store.exists(path):
+        return None
+    data = store.read_bytes(path)
+    return ShardRef("generations", index, path, data.count(b"\n"), sha256_hex(data))
+
+
+def unfinished_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: str) -> list[int]:
+    """Shards whose generations are not finished: the server is needed only if this is non-empty."""
+    store = RunStore(output_uri, run_name)
+    return [ref.index for ref in prompt_shards if not store.exists(artifact_path("generations", ref.index))]
+
+
+def check_settings(store: RunStore, settings: GenerationSettings) -> None:
+    """Refuse to resume or extend a run whose generations were made with other settings."""
+    fingerprint = settings.fingerprint()
+    if store.exists(SETTINGS_FILE):
+        recorded = store.read_json(SETTINGS_FILE)
+        if recorded["fingerprint"] != fingerprint:
+            raise GenerationError(
+                f"run {store.uri} was generated with other settings (model, sampling, profile or prompt "
+                "source differ): use a new run_name, or restore the settings recorded in "
+                f"{SETTINGS_FILE}"
+            )
+        return
+    store.write_json(SETTINGS_FILE, {"fingerprint": fingerprint, **_settings_json(settings)})
+
+
+def _settings_json(settings: GenerationSettings) -> dict[str, Any]:
+    return json.loads(json.dumps(asdict(settings), default=lambda o: o.model_dump()))
+
+
+async def generate_async(
+    store: RunStore,
+    prompt_shards: list[ShardRef],
+    settings: GenerationSettings,
+    server: ServerConfig,
+    validation: ValidationConfig,
+    log: logging.Logger | logging.LoggerAdapter[Any],
+    progress_every_s: float = 5.0,
+) -> list[ShardRef]:
+    """Generate every unfinished shard; returns the generation ShardRefs in shard order."""
+    check_settings(store, settings)
+    finished: dict[int, ShardRef] = {}
+    states: dict[int, _ShardState] = {}
+    queue: asyncio.Queue[_Item] = asyncio.Queue()
+    for ref in prompt_shards:
+        done_ref = finished_shard_ref(store, ref.index)
+        if done_ref is not None:
+            finished[ref.index] = done_ref
+            continue
+        prompts = store.read_jsonl(ref.path)
+        state = _ShardState(ref, len(prompts), partial_log_path(store, ref.index))
+        state.entries = read_partial_log(state.log_path)
+        states[ref.index] = state
+        for position, prompt in enumerate(prompts):
+            if position in state.entries:
+                continue
+            seed = None if settings.generation.seed is None else settings.generation.seed + prompt["row"]
+            queue.put_nowait(_Item(ref.index, position, prompt["id"], prompt["messages"], seed))
+    for index, state in list(states.items()):
+        if state.complete:
+            finished[index] = finalize_shard(store, state)
+            del states[index]
+    total = queue.qsize()
+    if total == 0:
+        return [finished[r.index] for r in prompt_shards]
+
+    clients = [OpenAIClient(url, server.api_key_env, server.request_timeout_s, server.max_in_flight)
+               for url in server.endpoints]
+    pool = EndpointPool([_Endpoint(c.base_url, c) for c in clients], server.max_in_flight, server.retry_backoff_s)
+    gate = ProbationGate(
+        min(validation.early_abort_after, total),
+        validation.max_empty_reasoning_rate,
+        lambda empty: diagnose("the server", [settings.model], empty, settings.profile,
+                               validation.allow_inline_reasoning),
+    )
+    stats = {"done": 0, "tokens": 0, "retries": 0, "failed": 0}
+    started_at = time.monotonic()
+
+    async def send(item: _Item) -> Completion | None:
+        body = build_chat_request(settings.model, item.messages, settings.profile, settings.generation,
+                                  seed=item.seed)
+        for attempt in range(server.max_retries + 1):
+            endpoint = await pool.acquire()
+            try:
+                completion = (await endpoint.client.chat(body, settings.profile))[0]
+            except RequestFailed as error:
+                await pool.release(endpoint, healthy=not error.retryable)
+                if not error.retryable:
+                    states[item.shard].append({"position": item.position, "rejected": {
+                        "id": item.record_id, "stage": "generations", "reason": str(error)}})
+                    return None
+                if attempt == server.max_retries:
+                    stats["failed"] += 1
+                    log.warning("record %s not generated after %d tries: %s", item.record_id, attempt + 1, error)
+                    return None
+                stats["retries"] += 1
+                await asyncio.sleep(server.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5))
+                continue
+            await pool.release(endpoint, healthy=True)
+            states[item.shard].append({"position": item.position, "record": _record(item, completion)})
+            stats["tokens"] += int(completion.usage.get("completion_tokens") or 0)
+            return completion
+        return None
+
+    async def worker() -> None:
+        while True:
+            try:
+                item = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            await gate.admit()
+            completion = await send(item)
+            gate.observe(completion)
+            stats["done"] += 1
+            state = states[item.shard]
+            if state.complete:
+                finished[item.shard] = finalize_shard(store, state)
+
+    async def report_progress() -> None:
+        while True:
+            await asyncio.sleep(progress_every_s)
+            elapsed = time.monotonic() - started_at
+            rate = stats["done"] / elapsed
+            eta = (total - stats["done"]) / rate if rate else float("inf")
+            flights = " ".join(f"{e.url}={e.in_flight}" for e in pool.endpoints)
+            log.info("generation %d/%d  %.1f req/s  %.0f tok/s  in flight %s  ETA %.0fs",
+                     stats["done"], total, rate, stats["tokens"] / elapsed, flights, eta)
+
+    workers = [asyncio.create_task(worker()) for _ in range(server.max_in_flight * len(clients))]
+    reporter = asyncio.create_task(report_progress())
+    try:
+        await asyncio.gather(*workers)
+    except BaseException:
+        for pending in workers:
+            pending.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        raise
+    finally:
+        reporter.cancel()
+        for state in states.values():
+            if state.log is not None:
+                state.log.close()
+        await asyncio.gather(*(c.aclose() for c in clients))
+    unfinished = [i for i in states if i not in finished]
+    if unfinished:
+        raise GenerationError(
+            f"{stats['failed']} records could not be generated (servers unreachable or failing) in shards "
+            f"{unfinished}; finished records are kept: run again to resume"
+        )
+    log.info("generation done: %d requests, %d retries, %.1fs", total, stats["retries"],
+             time.monotonic() - started_at)
+    return [finished[r.index] for r in prompt_shards]
+
+
+@task(name="generate", retries=1, persist_result=True, cache_policy=(INPUTS - "server") + TASK_SOURCE)
+def generate(
+    prompt_shards: list[ShardRef],
+    settings: GenerationSettings,
+    server: ServerConfig,
+    validation: ValidationConfig,
+    output_uri: str,
+    run_name: str,
+) -> list[ShardRef]:
+    """Generate all shards with one shared in-flight budget; resumes from partial logs."""
+    store = RunStore(output_uri, run_name)
+    return asyncio.run(generate_async(store, prompt_shards, settings, server, validation, get_run_logger()))

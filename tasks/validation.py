@@ -1,0 +1,140 @@
+"""Stage 4: per-shard checks of the generations; a shard that fails its thresholds is quarantined, loudly.
+
+A quarantined shard keeps its records (marked in validation/shard-NNNNN.json) but never flows on into the
+training set, and its task fails so the run says so.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from eagle3_datagen.artifacts import ShardRef, artifact_path
+from eagle3_datagen.config import ValidationConfig
+from eagle3_datagen.profiles import ModelProfile
+from eagle3_datagen.storage import RunStore
+from eagle3_datagen.think_tokens import ThinkTokenSpec, discover_think_tokens, load_tokenizer
+
+
+class ShardQuarantined(RuntimeError):
+    """A shard whose generations broke a validation threshold."""
+
+
+@dataclass(frozen=True)
+class ShardValidation:
+    index: int
+    records: int
+    empty_reasoning: int
+    empty_content: int
+    truncated: int
+    leaked_tags: int
+    duplicate_ids: int
+    token_text_mismatch: int
+    reasoning_split_inline: int
+    status: str
+    reasons: list[str] = field(default_factory=list)
+
+    def rate(self, count: int) -> float:
+        return count / self.records if self.records else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        counts = asdict(self)
+        names = ("empty_reasoning", "empty_content", "truncated", "leaked_tags", "duplicate_ids",
+                 "token_text_mismatch")
+        counts["rates"] = {name: round(self.rate(counts[name]), 6) for name in names}
+        return counts
+
+
+def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec) -> str:
+    """The completion text the server's token ids should decode to, rebuilt from reasoning and content."""
+    text = ("" if spec.template_writes_start_tag else spec.think_start) + record["reasoning"]
+    if record["finish_reason"] == "length" and not record["content"]:
+        return text
+    text += spec.think_end + record["content"]
+    return text + spec.end_of_turn if record["finish_reason"] == "stop" else text
+
+
+def validate_records(
+    index: int,
+    records: list[dict[str, Any]],
+    profile: ModelProfile,
+    thresholds: ValidationConfig,
+    decode: Any | None = None,
+    spec: ThinkTokenSpec | None = None,
+) -> ShardValidation:
+    """Count what can silently ruin training data and decide pass or quarantine."""
+    tags = (profile.think_start, profile.think_end)
+    ids = Counter(r["id"] for r in records)
+    mismatch = 0
+    if decode is not None and spec is not None:
+        for record in records:
+            token_ids = record.get("completion_token_ids")
+            if token_ids is not None and decode(token_ids) != expected_completion_text(record, spec):
+                mismatch += 1
+    result = ShardValidation(
+        index=index,
+        records=len(records),
+        empty_reasoning=sum(not r["reasoning"].strip() for r in records),
+        empty_content=sum(not (r["content"] or "").strip() for r in records),
+        truncated=sum(r["finish_reason"] == "length" for r in records),
+        leaked_tags=sum(any(t in r["reasoning"] or t in (r["content"] or "") for t in tags) for r in records),
+        duplicate_ids=sum(n - 1 for n in ids.values()),
+        token_text_mismatch=mismatch,
+        reasoning_split_inline=sum(r.get("reasoning_source") == "inline" for r in records),
+        status="pass",
+    )
+    reasons = []
+    for name, limit in (
+        ("empty_reasoning", thresholds.max_empty_reasoning_rate),
+        ("empty_content", thresholds.max_empty_content_rate),
+        ("truncated", thresholds.max_truncated_rate),
+    ):
+        rate = result.rate(getattr(result, name))
+        if rate > limit:
+            reasons.append(f"{name} rate {rate:.1%} > validation.max_{name}_rate {limit:.1%}")
+    if result.duplicate_ids:
+        reasons.append(f"{result.duplicate_ids} duplicate ids")
+    if not reasons:
+        return result
+    return ShardValidation(**{**asdict(result), "status": "quarantine", "reasons": reasons})
+
+
+def _markdown(run_name: str, report: ShardValidation) -> str:
+    rows = "\n".join(f"| {k} | {v} | {report.rate(v):.1%} |" for k, v in asdict(report).items()
+                     if isinstance(v, int) and k not in ("index", "records"))
+    verdict = report.status + ("" if not report.reasons else ": " + "; ".join(report.reasons))
+    return (f"### {run_name} shard {report.index:05d}: {verdict}\n\n{report.records} records\n\n"
+            f"| check | count | rate |\n|---|---|---|\n{rows}\n")
+
+
+@task(name="validate", retries=0, persist_result=True, cache_policy=INPUTS + TASK_SOURCE)
+def validate_generations(
+    generations: ShardRef,
+    profile: ModelProfile,
+    tokenizer: str,
+    thresholds: ValidationConfig,
+    output_uri: str,
+    run_name: str,
+) -> ShardRef:
+    """Write validation/shard-NNNNN.json and a UI artifact; fail the shard if it is quarantined."""
+    store = RunStore(output_uri, run_name)
+    records = store.read_jsonl(generations.path)
+    tok = load_tokenizer(tokenizer)
+    spec = discover_think_tokens(tok, profile) if profile.single_token_tags else None
+    report = validate_records(generations.index, records, profile, thresholds,
+                              lambda ids: tok.decode(ids, skip_special_tokens=False), spec)
+    path = artifact_path("validation", generations.index)
+    store.write_json(path, {**report.as_dict(), "generations_sha256": generations.sha256})
+    create_markdown_artifact(key=f"validation-shard-{generations.index:05d}", markdown=_markdown(run_name, report),
+                             description="reasoning-field validation")
+    if report.status != "pass":
+        raise ShardQuarantined(
+            f"shard {generations.index:05d} quarantined ({'; '.join(report.reasons)}); its records stay in "
+            f"{generations.path} and are kept out of the training set: see {path}"
+        )
+    return generations

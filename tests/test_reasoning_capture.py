@@ -1,0 +1,146 @@
+"""Reasoning capture against a real HTTP server speaking every response shape vLLM has sent (or no longer sends).
+
+Each failure mode of the pre-flight probe stops the run with a message that names the fix, and the early abort
+spends at most N requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from eagle3_datagen.artifacts import ShardRef, artifact_path
+from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
+from eagle3_datagen.profiles import BUILTIN_PROFILES
+from eagle3_datagen.protocol import OpenAIClient, build_chat_request
+from eagle3_datagen.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
+from eagle3_datagen.storage import RunStore
+from tasks.generation import GenerationError, GenerationSettings, generate_async
+from tasks.health import ServerCheckFailed, check_servers_async
+
+QWEN3 = BUILTIN_PROFILES["qwen3"]
+QUESTION = "Combien font 6 × 7 ? Réponds en une phrase."
+
+
+async def _chat(url: str, profile_name: str = "qwen3", stream: bool = False) -> tuple[str, str, str]:
+    profile = BUILTIN_PROFILES[profile_name]
+    body = build_chat_request("scripted-model", [{"role": "user", "content": QUESTION}], profile,
+                              GenerationConfig(), stream=stream)
+    async with OpenAIClient(url, "NO_SUCH_KEY_ENV", 30) as client:
+        done = (await client.chat(body, profile))[0]
+    return done.reasoning, done.content, done.reasoning_source
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize(
+    ("shape", "source"),
+    [("reasoning", "reasoning"), ("reasoning_content", "reasoning_content"), ("both", "reasoning+reasoning_content"),
+     ("inline", "inline"), ("inline_with_start", "inline")],
+)
+def test_every_shape_is_captured_byte_for_byte(shape: str, source: str, stream: bool) -> None:
+    with ScriptedServer(Script(shape=shape)) as server:
+        reasoning, content, found = asyncio.run(_chat(server.url, stream=stream))
+    assert reasoning == expected_reasoning(QUESTION)
+    assert content == expected_content(QUESTION)
+    assert found == source
+
+
+def test_gpt_oss_analysis_channel_is_split_from_final() -> None:
+    gpt_oss = BUILTIN_PROFILES["gpt-oss"]
+    script = Script(shape="gpt_oss", think_start=gpt_oss.think_start, think_end=gpt_oss.think_end)
+    with ScriptedServer(script) as server:
+        reasoning, content, found = asyncio.run(_chat(server.url, "gpt-oss"))
+        sent = server.log.bodies[0]
+    assert (reasoning, content, found) == (expected_reasoning(QUESTION), expected_content(QUESTION), "inline")
+    assert sent["reasoning_effort"] == "high"
+
+
+def test_request_puts_template_switch_and_token_ids_at_top_level() -> None:
+    with ScriptedServer() as server:
+        asyncio.run(_chat(server.url))
+        sent = server.log.bodies[0]
+    assert sent["chat_template_kwargs"] == {"enable_thinking": True}
+    assert sent["return_token_ids"] is True
+    assert "extra_body" not in sent
+
+
+def _probe(url: str, model: str = "scripted-model", **validation: object) -> None:
+    asyncio.run(check_servers_async(model, QWEN3, ServerConfig(endpoints=[url], startup_timeout_s=5),
+                                    GenerationConfig(max_tokens=64), ValidationConfig(**validation),
+                                    [[{"role": "user", "content": QUESTION}]]))
+
+
+@pytest.mark.parametrize(
+    ("script", "fix"),
+    [
+        (Script(shape="none"), "thinking is off or the switch is ignored"),
+        (Script(shape="inline"), "--reasoning-parser qwen3"),
+        (Script(shape="inline_with_start"), "--reasoning-parser qwen3"),
+        (Script(shape="other_field"), "field(s) thinking that this run does not read"),
+        (Script(return_token_ids=False), "returned no token ids"),
+        (Script(model="another-model"), "--served-model-name scripted-model"),
+    ],
+    ids=["thinking-off", "no-parser", "no-parser-start-tag", "unread-field", "no-token-ids", "wrong-model"],
+)
+def test_probe_stops_each_failure_with_its_fix(script: Script, fix: str) -> None:
+    with ScriptedServer(script) as server, pytest.raises(ServerCheckFailed, match="^.*$") as failure:
+        _probe(server.url)
+    assert fix in str(failure.value)
+    assert "\n" not in str(failure.value)
+
+
+def test_probe_accepts_inline_reasoning_when_the_config_allows_it() -> None:
+    with ScriptedServer(Script(shape="inline")) as server:
+        _probe(server.url, allow_inline_reasoning=True)
+
+
+def test_unreachable_server_names_the_endpoint_and_the_fix() -> None:
+    with pytest.raises(ServerCheckFailed, match=r"http://127.0.0.1:9 did not answer /health .* server.endpoints"):
+        asyncio.run(check_servers_async("m", QWEN3, ServerConfig(endpoints=["http://127.0.0.1:9"],
+                                        startup_timeout_s=1), GenerationConfig(), ValidationConfig(), []))
+
+
+def _write_prompt_shards(store: RunStore, shards: int, per_shard: int) -> list[ShardRef]:
+    refs = []
+    for index in range(shards):
+        rows = [{"id": f"p{index}-{i}", "row": index * per_shard + i,
+                 "messages": [{"role": "user", "content": f"question {index}-{i}"}]} for i in range(per_shard)]
+        store.write_jsonl(artifact_path("prompts", index), rows)
+        refs.append(ShardRef("prompts", index, artifact_path("prompts", index), per_shard, "x"))
+    return refs
+
+
+def _generate(url: str, store: RunStore, refs: list[ShardRef], budget: int, **validation: object) -> list[ShardRef]:
+    settings = GenerationSettings("scripted-model", QWEN3, GenerationConfig(max_tokens=64), "test")
+    server = ServerConfig(endpoints=[url], max_in_flight=budget, retry_backoff_s=0.01)
+    return asyncio.run(generate_async(store, refs, settings, server, ValidationConfig(**validation),
+                                      logging.getLogger("test")))
+
+
+def test_early_abort_spends_at_most_n_requests(tmp_path) -> None:
+    store = RunStore(str(tmp_path), "abort")
+    refs = _write_prompt_shards(store, shards=4, per_shard=50)
+    with ScriptedServer(Script(shape="none", latency_s=0.01)) as server:
+        with pytest.raises(GenerationError, match="early abort: 8 of the first 8 records have empty reasoning"):
+            _generate(server.url, store, refs, budget=32, early_abort_after=8)
+        assert server.log.requests == 8
+    partial = tmp_path / "abort" / "generations" / "shard-00000.partial.jsonl"
+    assert len(partial.read_text().splitlines()) == 8, "records already received are kept"
+
+
+def test_generation_captures_every_record_and_respects_the_budget(tmp_path) -> None:
+    store = RunStore(str(tmp_path), "gen")
+    refs = _write_prompt_shards(store, shards=3, per_shard=20)
+    with ScriptedServer(Script(latency_s=0.02)) as server:
+        out = _generate(server.url, store, refs, budget=8)
+        assert server.log.max_in_flight <= 8
+        assert server.log.requests == 60
+    assert [r.num_records for r in out] == [20, 20, 20]
+    for ref in out:
+        for record in store.read_jsonl(ref.path):
+            question = record["messages"][-1]["content"]
+            assert record["reasoning"] == expected_reasoning(question)
+            assert record["content"] == expected_content(question)
+            assert record["completion_token_ids"] == list(range(100, 116))
