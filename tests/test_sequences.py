@@ -1,0 +1,161 @@
+"""Exact token sequences with the model's own think tokens, proven on the real Kimi-K2.5 vocabulary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3_datagen.cli import main
+from eagle3_datagen.config import SequencesConfig
+from eagle3_datagen.profiles import BUILTIN_PROFILES
+from eagle3_datagen.storage import RunStore
+from eagle3_datagen.think_tokens import ThinkTokenError, discover_think_tokens, load_tokenizer
+from tasks.sequences import build_sequences, to_parquet
+
+KIMI_DIR = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "kimi-k2.5"
+KIMI = BUILTIN_PROFILES["kimi-k2.5"]
+THINK, END_THINK, IM_END, IM_USER, IM_ASSISTANT, IM_MIDDLE = 163606, 163607, 163586, 163587, 163588, 163601
+
+pytestmark = pytest.mark.skipif(not KIMI_DIR.is_dir(), reason="../shared/tokenizers/kimi-k2.5 is absent")
+
+
+@pytest.fixture(scope="module")
+def kimi():  # type: ignore[no-untyped-def]
+    return load_tokenizer(str(KIMI_DIR))
+
+
+@pytest.fixture(scope="module")
+def spec(kimi):  # type: ignore[no-untyped-def]
+    return discover_think_tokens(kimi, KIMI)
+
+
+def _record(question: str, reasoning: str, content: str, finish: str = "stop", **extra: object) -> dict:
+    return {"id": "s1", "messages": [{"role": "user", "content": question}], "reasoning": reasoning,
+            "content": content, "finish_reason": finish, **extra}
+
+
+def _build(kimi, spec, records, **settings):  # type: ignore[no-untyped-def]
+    return build_sequences(records, kimi, KIMI, spec, SequencesConfig(**settings))
+
+
+def test_kimi_think_tokens_are_discovered_and_proven(spec) -> None:  # type: ignore[no-untyped-def]
+    assert (spec.start_id, spec.end_id, spec.end_of_turn_id) == (THINK, END_THINK, IM_END)
+    assert spec.template_writes_start_tag is True
+
+
+def test_probe_tokenizer_command_prints_the_ids(capsys) -> None:  # type: ignore[no-untyped-def]
+    assert main(["probe-tokenizer", str(KIMI_DIR), "--profile", "kimi-k2.5"]) == 0
+    out = capsys.readouterr().out
+    assert '"start_id": 163606' in out and '"end_id": 163607' in out and '"template_writes_start_tag": true' in out
+
+
+def test_a_tokenizer_without_single_token_tags_is_a_clear_error(kimi) -> None:  # type: ignore[no-untyped-def]
+    profile = KIMI.model_copy(update={"think_start": "<reasoning>"})
+    with pytest.raises(ThinkTokenError, match=r"encodes the think start tag '<reasoning>' as \d+ tokens"):
+        discover_think_tokens(kimi, profile)
+
+
+def test_rebuilt_ids_equal_hand_computed_ids(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    enc = lambda text: kimi.encode(text, add_special_tokens=False)  # noqa: E731
+    [sequence], rejected = _build(kimi, spec, [_record("What is 2+2?", "Two plus two.", "4")])
+    prompt = [IM_USER, *enc("user"), IM_MIDDLE, *enc("What is 2+2?"), IM_END,
+              IM_ASSISTANT, *enc("assistant"), IM_MIDDLE, THINK]
+    completion = [*enc("Two plus two."), END_THINK, *enc("4"), IM_END]
+    assert rejected == []
+    assert sequence.input_ids == prompt + completion
+    assert sequence.loss_mask == [0] * len(prompt) + [1] * len(completion)
+    assert sequence.source == "text" and sequence.agrees is None
+
+
+def test_end_tag_is_one_id_exactly_once_in_the_masked_part(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    records = [_record(f"q{i}", f"thought {i}\n", f"answer {i}") for i in range(5)]
+    sequences, _ = _build(kimi, spec, records)
+    for sequence in sequences:
+        masked = [t for t, m in zip(sequence.input_ids, sequence.loss_mask, strict=True) if m]
+        assert masked.count(END_THINK) == 1
+        assert masked[-1] == IM_END
+
+
+def test_the_template_trap_is_shown_and_avoided(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    reasoning = "Carefully adding: 2 and 2 make 4."
+    whole = kimi.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": reasoning}],
+        tokenize=False)
+    assert "<think></think>4" in whole and reasoning not in whole, "the template drops completed-turn reasoning"
+    [sequence], _ = _build(kimi, spec, [_record("2+2?", reasoning, "4")])
+    assert reasoning in kimi.decode(sequence.input_ids)
+
+
+def test_server_ids_win_and_disagreement_is_located(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    record = _record("Say </think> please", "I must write </think> as text.", "ok")
+    [text_only], _ = _build(kimi, spec, [record])
+    cut = text_only.loss_mask.index(1)
+    spelled = kimi.encode("I must write ", add_special_tokens=False) + kimi.encode("</", add_special_tokens=False) \
+        + kimi.encode("think> as text.", add_special_tokens=False)
+    server_completion = [*spelled, END_THINK, *kimi.encode("ok", add_special_tokens=False), IM_END]
+    record = {**record, "prompt_token_ids": text_only.input_ids[:cut], "completion_token_ids": server_completion}
+    [sequence], _ = _build(kimi, spec, [record])
+    assert sequence.source == "server"
+    assert sequence.input_ids == text_only.input_ids[:cut] + server_completion
+    assert sequence.agrees is False
+    assert sequence.first_diff == text_only.input_ids.index(END_THINK, cut)
+
+
+def test_server_ids_that_match_the_text_agree(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    [text_only], _ = _build(kimi, spec, [_record("hello", "hmm", "hi")])
+    cut = text_only.loss_mask.index(1)
+    record = _record("hello", "hmm", "hi", prompt_token_ids=text_only.input_ids[:cut],
+                     completion_token_ids=text_only.input_ids[cut:])
+    [sequence], _ = _build(kimi, spec, [record])
+    assert (sequence.source, sequence.agrees, sequence.first_diff) == ("server", True, None)
+
+
+def test_literal_think_in_user_text_is_the_think_id_but_never_supervised(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    [sequence], _ = _build(kimi, spec, [_record("What does <think> mean?", "A tag.", "A tag.")])
+    user_part = sequence.input_ids[: sequence.loss_mask.index(1) - 1]
+    assert THINK in user_part[:-1], "Kimi's tokenizer (like the server) encodes a literal <think> as its id"
+    assert all(m == 0 for m in sequence.loss_mask[: len(user_part)])
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "content"),
+    [("\n\nleading and trailing newlines\n\n", "answer"), ("Ünïcödé ✓ 数学 🤖🚀", "réponse 🎉"), ("only thoughts", "")],
+    ids=["newlines", "non-ascii-emoji", "empty-content"],
+)
+def test_text_round_trips_exactly(kimi, spec, reasoning: str, content: str) -> None:  # type: ignore[no-untyped-def]
+    [sequence], _ = _build(kimi, spec, [_record("q", reasoning, content)])
+    masked = [t for t, m in zip(sequence.input_ids, sequence.loss_mask, strict=True) if m]
+    assert kimi.decode(masked) == f"{reasoning}</think>{content}<|im_end|>"
+
+
+def test_truncated_thinking_has_no_end_tag_and_no_end_of_turn(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    [sequence], _ = _build(kimi, spec, [_record("q", "a very long thought that was cut", "", finish="length")])
+    masked = [t for t, m in zip(sequence.input_ids, sequence.loss_mask, strict=True) if m]
+    assert END_THINK not in masked and IM_END not in masked
+
+
+def test_start_tag_supervision_is_a_choice(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    [default], _ = _build(kimi, spec, [_record("q", "r", "c")])
+    [supervised], _ = _build(kimi, spec, [_record("q", "r", "c")], supervise_template_start_tag=True)
+    start = default.input_ids.index(THINK)
+    assert (default.loss_mask[start], supervised.loss_mask[start]) == (0, 1)
+
+
+def test_length_policy_drops_or_truncates_and_counts(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    records = [_record("short", "r", "c"), {**_record("long " * 50, "r " * 50, "c"), "id": "long"}]
+    kept, rejected = _build(kimi, spec, records, max_seq_len=40)
+    assert [s.id for s in kept] == ["s1"] and rejected[0]["id"] == "long" and "max_seq_len 40" in rejected[0]["reason"]
+    truncated, none = _build(kimi, spec, records, max_seq_len=40, over_length="truncate")
+    assert none == [] and len(truncated[1].input_ids) == len(truncated[1].loss_mask) == 40
+
+
+def test_parquet_loads_with_datasets(kimi, spec, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import datasets
+
+    sequences, _ = _build(kimi, spec, [_record("q", "r", "c"), {**_record("q2", "r2", "c2"), "id": "s2"}])
+    store = RunStore(str(tmp_path), "run")
+    store.write_bytes("sequences/shard-00000.parquet", to_parquet(sequences))
+    loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "run/sequences/*.parquet"), split="train")
+    assert loaded["id"] == ["s1", "s2"]
+    assert loaded[0]["input_ids"] == sequences[0].input_ids and loaded[0]["num_tokens"] == len(sequences[0].input_ids)
