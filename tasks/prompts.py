@@ -1,0 +1,234 @@
+"""Stage 2: read a prompt dataset, turn each row into chat messages, and write fixed-size prompt shards.
+
+The core (load_rows, normalize_messages, prompt_id, write_prompt_shards, build_prompt_shards) is plain Python
+so it can be tested without Prefect; `load_prompts` is the thin task around it. A row that cannot become a
+prompt is rejected with a reason in rejected/prompts.jsonl instead of stopping the run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any, Literal
+
+import datasets
+from prefect import task
+from prefect.cache_policies import INPUTS, TASK_SOURCE
+
+from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
+from eagle3_datagen.config import DataConfig
+from eagle3_datagen.storage import RunStore
+
+PromptFormat = Literal["auto", "sharegpt", "openai"]
+
+REJECTED_PATH = "rejected/prompts.jsonl"
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+# (column, role key, text key) of each accepted form; "auto" takes the first whose column the row fills.
+_SHAREGPT = ("conversations", "from", "value")
+_OPENAI = ("messages", "role", "content")
+_FORMS = {"sharegpt": (_SHAREGPT,), "openai": (_OPENAI,), "auto": (_SHAREGPT, _OPENAI)}
+
+
+class RowRejected(ValueError):
+    """A row that cannot become a prompt: its reason is logged and the run goes on."""
+
+
+@dataclass(frozen=True)
+class PromptLoadResult:
+    """The prompt shards in order, and how many source rows were read, accepted and rejected."""
+
+    shards: list[ShardRef]
+    rows: int
+    accepted: int
+    rejected: int
+
+
+def load_rows(source: str, split: str = "train", limit: int | None = None) -> Iterator[dict[str, Any]]:
+    """Rows of a hub dataset or of local files, streamed so a large dataset is never copied or held whole."""
+    local = Path(source).expanduser()
+    if local.exists():
+        builder, files = _local_files(local)
+        # A bad byte becomes U+FFFD so only its row is rejected, instead of the whole file failing to decode.
+        # datasets applies encoding_errors only to an encoding not spelled "utf-8", hence the "utf_8" alias.
+        options = {"encoding": "utf_8", "encoding_errors": "replace"} if builder == "json" else {}
+        dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=True, **options)
+    elif source.startswith(("/", ".", "~")) or local.suffix in _BUILDERS:
+        raise FileNotFoundError(
+            f"data.source {source}: no such file or folder; give an existing .jsonl/.json/.parquet file, "
+            "a folder of them, or a Hugging Face dataset id"
+        )
+    else:
+        dataset = datasets.load_dataset(source, split=split, streaming=True)
+    return islice(iter(dataset), limit)
+
+
+def _local_files(path: Path) -> tuple[str, list[str]]:
+    """The datasets builder and the files of a local source: one file, or every data file under a folder."""
+    if path.is_file():
+        if path.suffix not in _BUILDERS:
+            raise ValueError(f"data.source {path}: unsupported file type; use a .jsonl, .json or .parquet file")
+        return _BUILDERS[path.suffix], [str(path)]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS)
+    if not files:
+        raise ValueError(f"data.source {path}: the folder holds no .jsonl, .json or .parquet files")
+    builders = {_BUILDERS[p.suffix] for p in files}
+    if len(builders) > 1:
+        raise ValueError(f"data.source {path}: the folder mixes JSON and Parquet files; keep one kind")
+    return builders.pop(), [str(p) for p in files]
+
+
+def normalize_messages(row: dict[str, Any], fmt: PromptFormat = "auto") -> list[dict[str, str]]:
+    """The prompt of one row: its turns up to and including the last user turn, as {role, content} messages.
+
+    Trailing assistant turns are dropped because the target model regenerates the answer; earlier assistant
+    and system turns stay as context. Raises RowRejected with a short reason when the row is unusable.
+    """
+    form = next((f for f in _FORMS[fmt] if row.get(f[0]) is not None), None)
+    if form is None:
+        raise RowRejected(f"no {' or '.join(f[0] for f in _FORMS[fmt])} value")
+    column, role_key, text_key = form
+    turns = row[column]
+    if not isinstance(turns, list):
+        raise RowRejected(f"{column} is a {type(turns).__name__}, not a list of turns")
+    roles: list[str] = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise RowRejected(f"turn {i} is not a {{{role_key}, {text_key}}} object")
+        role = turn.get(role_key)
+        if not isinstance(role, str) or role.lower() not in _ROLES:
+            raise RowRejected(f"turn {i} has unknown role {role!r}")
+        roles.append(_ROLES[role.lower()])
+    if "user" not in roles:
+        raise RowRejected("no user turn")
+    last_user = len(roles) - 1 - roles[::-1].index("user")
+    messages = []
+    for i, role in enumerate(roles[: last_user + 1]):
+        text = turns[i].get(text_key)
+        if not isinstance(text, str):
+            raise RowRejected(f"turn {i} {text_key} is {type(text).__name__}, not a string")
+        if not _is_valid_utf8(text):
+            raise RowRejected("text is not valid UTF-8")
+        if role == "user" and not text.strip():
+            raise RowRejected(f"turn {i} is an empty user turn")
+        messages.append({"role": role, "content": text})
+    return messages
+
+
+def _is_valid_utf8(text: str) -> bool:
+    """False for lone surrogates and for U+FFFD, the mark load_rows leaves where a byte was not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return "\ufffd" not in text
+
+
+def prompt_id(messages: list[dict[str, str]]) -> str:
+    """Hash of the messages' canonical JSON: the same conversation gets the same id in any run or source order."""
+    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return sha256_hex(canonical.encode("utf-8"))[:16]
+
+
+def write_prompt_shards(
+    rows: Iterable[dict[str, Any]],
+    store: RunStore,
+    shard_size: int,
+    fmt: PromptFormat = "auto",
+    source: str = "the dataset",
+) -> PromptLoadResult:
+    """Normalize rows in input order, write accepted prompts as shards of `shard_size`, log every rejection.
+
+    Raises ValueError when the first row has no prompt column (a wrong dataset, not bad rows) and when no
+    row at all was accepted.
+    """
+    shards: list[ShardRef] = []
+    batch: list[dict[str, Any]] = []
+    rejections: list[dict[str, Any]] = []
+    first_row_of: dict[str, int] = {}
+    read = 0
+    for index, row in enumerate(rows):
+        if index == 0:
+            _check_columns(row, fmt, source)
+        read += 1
+        try:
+            messages = normalize_messages(row, fmt)
+        except RowRejected as why:
+            rejections.append({"row": index, "stage": "prompts", "reason": str(why)})
+            continue
+        pid = prompt_id(messages)
+        if pid in first_row_of:
+            reason = f"duplicate of id {pid} (row {first_row_of[pid]})"
+            rejections.append({"row": index, "id": pid, "stage": "prompts", "reason": reason})
+            continue
+        first_row_of[pid] = index
+        batch.append({"id": pid, "messages": messages, "row": index})
+        if len(batch) == shard_size:
+            shards.append(_write_shard(store, len(shards), batch))
+            batch = []
+    if batch:
+        shards.append(_write_shard(store, len(shards), batch))
+    store.write_jsonl(REJECTED_PATH, rejections)
+    written = {ref.path for ref in shards}
+    for stale in store.list("prompts", ".jsonl"):  # left by an earlier run that had more shards
+        if stale not in written:
+            store.remove(stale)
+
+    result = PromptLoadResult(shards, read, len(first_row_of), len(rejections))
+    assert result.rows == result.accepted + result.rejected
+    assert sum(ref.num_records for ref in shards) == result.accepted
+    if not result.rows:
+        raise ValueError(f"{source}: no rows were read; check data.source, data.split and data.limit")
+    if not result.accepted:
+        raise ValueError(
+            f"{source}: every one of its {result.rows} rows was rejected; "
+            f"see {store.uri}/{REJECTED_PATH} for the reasons"
+        )
+    return result
+
+
+def _check_columns(row: dict[str, Any], fmt: PromptFormat, source: str) -> None:
+    """Fail fast on a dataset with no prompt column at all, which per-row rejection would hide."""
+    if any(column in row for column, _, _ in _FORMS[fmt]):
+        return
+    expected = " or ".join(f"`{column}` [{{{rk}, {tk}}}]" for column, rk, tk in _FORMS[fmt])
+    raise ValueError(
+        f"{source}: no prompt column; found columns [{', '.join(map(str, row))}], expected {expected} "
+        f"(data.format: {fmt})"
+    )
+
+
+def _write_shard(store: RunStore, index: int, records: list[dict[str, Any]]) -> ShardRef:
+    path = artifact_path("prompts", index)
+    store.write_jsonl(path, records)
+    return ShardRef("prompts", index, path, len(records), sha256_hex(store.read_bytes(path)))
+
+
+def build_prompt_shards(data: DataConfig, store: RunStore) -> PromptLoadResult:
+    """The whole stage for one data config, without Prefect."""
+    rows = load_rows(data.source, data.split, data.limit)
+    return write_prompt_shards(rows, store, data.shard_size, data.format, source=data.source)
+
+
+def read_prompt_shard(store: RunStore, ref: ShardRef) -> list[dict[str, Any]]:
+    """The records of one prompt shard, refused if the file no longer matches the hash downstream caches use."""
+    data = store.read_bytes(ref.path)
+    if sha256_hex(data) != ref.sha256:
+        raise ValueError(f"{ref.path} changed since the prompts stage wrote it; re-run the prompts stage")
+    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+
+
+@task(name="load-prompts", retries=1, persist_result=True, cache_policy=INPUTS + TASK_SOURCE)
+def load_prompts(data: DataConfig, output_uri: str, run_name: str) -> PromptLoadResult:
+    """Prefect task: stage 2 for the run folder `{output_uri}/{run_name}`."""
+    return build_prompt_shards(data, RunStore(output_uri, run_name))

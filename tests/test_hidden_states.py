@@ -1,0 +1,271 @@
+"""Stage 6 on a real tiny Qwen3 (random weights, saved to disk) and real parquet/safetensors files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
+from eagle3_datagen.config import ConfigError, HiddenStatesConfig
+from eagle3_datagen.storage import RunStore
+from tasks.hidden_states import (
+    HiddenStatesError,
+    TargetModel,
+    capture_batch,
+    default_aux_layers,
+    extract_hidden_states,
+    extract_shard,
+    load_target_model,
+    plan_batches,
+    read_hidden_state_shard,
+    read_sequences,
+    resolve_aux_layers,
+)
+
+torch.set_num_threads(1)
+
+HIDDEN = 64
+LAYERS = 8
+AUX = [2, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    config = Qwen3Config(
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=192,
+        vocab_size=512,
+        initializer_range=0.2,  # layers that visibly move the residual stream, so a wrong index cannot pass
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    Qwen3ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture
+def fp32(model_dir: str) -> TargetModel:
+    return load_target_model(model_dir, "float32", "cpu")
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> RunStore:
+    return RunStore(str(tmp_path), "run")
+
+
+def random_rows(lengths: list[int], seed: int = 0) -> list[tuple[str, list[int], list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (f"s{i}", torch.randint(0, 512, (n,), generator=gen).tolist(), [int(k >= n // 2) for k in range(n)])
+        for i, n in enumerate(lengths)
+    ]
+
+
+def write_sequences(store: RunStore, shard: int, rows: list[tuple[str, list[int], list[int]]]) -> None:
+    """The sequences stage's schema: id string, input_ids list<int32>, loss_mask list<int8> (+ extras)."""
+    table = pa.table(
+        {
+            "id": pa.array([r[0] for r in rows], pa.string()),
+            "input_ids": pa.array([r[1] for r in rows], pa.list_(pa.int32())),
+            "loss_mask": pa.array([r[2] for r in rows], pa.list_(pa.int8())),
+            "num_tokens": pa.array([len(r[1]) for r in rows], pa.int32()),
+        }
+    )
+    with store.open(artifact_path("sequences", shard), "wb") as handle:
+        pq.write_table(table, handle)
+
+
+def test_default_aux_layers_follow_eagle3_for_8_layers() -> None:
+    assert default_aux_layers(8) == [2, 4, 5]
+    assert resolve_aux_layers(None, 8) == [2, 4, 5]
+    assert resolve_aux_layers([1, 3, 7], 8) == [1, 3, 7]
+
+
+@pytest.mark.parametrize("layers", [[0, 4, 5], [2, 4, 8], [4, 2, 5], [2, 2, 5], [2, 4], [1, 2, 3, 4]])
+def test_invalid_aux_layers_give_one_line_error_with_valid_range(layers: list[int]) -> None:
+    with pytest.raises(ConfigError, match=r"hidden_states\.aux_layers.*1\.\.7") as error:
+        resolve_aux_layers(layers, 8)
+    assert "\n" not in str(error.value)
+
+
+def test_default_aux_layers_refused_when_they_collide_on_a_shallow_model() -> None:
+    with pytest.raises(ConfigError, match=r"default \[2, 3, 3\].*1\.\.5"):
+        resolve_aux_layers(None, 6)
+
+
+def test_hooked_capture_matches_transformers_hidden_states(fp32: TargetModel) -> None:
+    tokens = torch.randint(0, 512, (23,), generator=torch.Generator().manual_seed(1))
+    [(aux, final)] = capture_batch(fp32, AUX, [tokens])
+
+    before_norm: list[torch.Tensor] = []
+    handle = fp32.base.layers[-1].register_forward_hook(lambda m, a, out: before_norm.append(out))
+    try:
+        with torch.inference_mode():
+            hf = fp32.base(input_ids=tokens[None].long(), output_hidden_states=True, use_cache=False).hidden_states
+    finally:
+        handle.remove()
+
+    assert len(hf) == LAYERS + 1
+    assert aux.shape == (23, 3 * HIDDEN) and final.shape == (23, HIDDEN)
+    for k, layer in enumerate(AUX):
+        torch.testing.assert_close(aux[:, k * HIDDEN : (k + 1) * HIDDEN], hf[layer][0])
+        assert not torch.allclose(aux[:, k * HIDDEN : (k + 1) * HIDDEN], hf[layer + 1][0], atol=1e-3)
+    torch.testing.assert_close(final, hf[-1][0])
+    assert not torch.allclose(final, before_norm[0][0], atol=1e-3)  # "after_norm" is the truth, not a label
+
+
+def test_padded_batch_equals_one_at_a_time(fp32: TargetModel) -> None:
+    gen = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(0, 512, (n,), generator=gen, dtype=torch.int32) for n in (5, 31, 1, 12, 31, 9)]
+    batched = capture_batch(fp32, AUX, sequences)
+    for seq, (aux, final) in zip(sequences, batched, strict=True):
+        [(alone_aux, alone_final)] = capture_batch(fp32, AUX, [seq])
+        assert aux.shape == alone_aux.shape == (len(seq), 3 * HIDDEN)
+        torch.testing.assert_close(aux, alone_aux, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(final, alone_final, atol=1e-4, rtol=1e-4)
+
+
+def test_batches_stay_within_padded_token_budget() -> None:
+    lengths = [5, 40, 9, 100, 12, 12, 3, 30]
+    batches = plan_batches(lengths, max_tokens=40)
+    assert sorted(i for batch in batches for i in batch) == list(range(len(lengths)))
+    assert [3] in batches  # longer than the budget: alone
+    for batch in batches:
+        if batch != [3]:
+            assert len(batch) * max(lengths[i] for i in batch) <= 40
+    assert len(plan_batches([8] * 10, max_tokens=40)) == 2
+
+
+class RecordingStore(RunStore):
+    """Remembers the order of whole-file writes, to check that the index comes last."""
+
+    def __init__(self, output_uri: str, run_name: str) -> None:
+        super().__init__(output_uri, run_name)
+        self.written: list[str] = []
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self.written.append(rel)
+        super().write_bytes(rel, data)
+
+
+def test_shard_splits_into_parts_and_reads_back_equal(fp32: TargetModel, tmp_path: Path) -> None:
+    store = RecordingStore(str(tmp_path), "run")
+    rows = random_rows([3, 40, 17, 25, 8, 33, 1, 40, 12, 20, 29, 6], seed=3)
+    write_sequences(store, 3, rows)
+    store.write_bytes("hidden_states/shard-00003/part-00042.safetensors", b"left by an older run")
+    settings = HiddenStatesConfig(dtype="float32", max_tokens_per_batch=64, part_size_bytes=40_000)
+
+    index = extract_shard(store, 3, fp32, settings)
+
+    assert not store.exists("hidden_states/shard-00003/part-00042.safetensors")
+    assert store.written[-1] == "hidden_states/shard-00003/index.json"
+    assert len(index["parts"]) >= 4
+    assert index["num_samples"] == len(rows) and index["num_tokens"] == sum(len(r[1]) for r in rows)
+    assert index["aux_layers"] == {"input_to_layer": AUX, "output_of_layer": [1, 3, 4]}
+    assert index["final_state"] == "after_norm" and index["hidden_size"] == HIDDEN
+    largest_sample = 40 * (4 * HIDDEN * 4 + 4 + 1)
+    for part in index["parts"]:
+        assert part["bytes"] <= settings.part_size_bytes + largest_sample + 4096
+        with safe_open(store.local_path(f"hidden_states/shard-00003/{part['file']}"), "pt") as f:
+            ids = json.loads(f.metadata()["sample_ids"])
+            offsets = f.get_tensor("offsets")
+            assert offsets[0] == 0 and offsets[-1] == f.get_tensor("input_ids").shape[0] == part["num_tokens"]
+            lengths = {r[0]: len(r[1]) for r in rows}
+            assert (offsets[1:] - offsets[:-1]).tolist() == [lengths[i] for i in ids]
+            assert [index["samples"][i] for i in ids] == [[index["parts"].index(part), row] for row in range(len(ids))]
+
+    read = {sample.id: sample for sample in read_hidden_state_shard(store, "hidden_states/shard-00003/index.json")}
+    assert sorted(read) == sorted(r[0] for r in rows)
+    for sample_id, tokens, mask in rows:
+        sample = read[sample_id]
+        assert sample.input_ids.tolist() == tokens and sample.loss_mask.tolist() == mask
+        [(aux, final)] = capture_batch(fp32, AUX, [torch.tensor(tokens)])
+        torch.testing.assert_close(sample.aux_hidden_states, aux, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(sample.final_hidden_states, final, atol=1e-4, rtol=1e-4)
+
+
+def test_corrupted_part_is_detected(fp32: TargetModel, store: RunStore) -> None:
+    write_sequences(store, 0, random_rows([30, 30, 30, 30], seed=4))
+    extract_shard(store, 0, fp32, HiddenStatesConfig(dtype="float32", part_size_bytes=50_000))
+    index_rel = "hidden_states/shard-00000/index.json"
+    assert len(list(read_hidden_state_shard(store, index_rel))) == 4
+
+    part = Path(store.local_path("hidden_states/shard-00000/part-00001.safetensors"))
+    data = bytearray(part.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8 : 8 + header_len])["aux_hidden_states"]["data_offsets"]
+    data[8 + header_len + (start + end) // 2] ^= 0x01  # one flipped bit in a hidden state: the file still loads
+    part.write_bytes(bytes(data))
+    with pytest.raises(HiddenStatesError, match=r"part-00001\.safetensors does not match its checksum"):
+        list(read_hidden_state_shard(store, index_rel))
+
+
+def test_non_finite_states_name_the_sample_and_leave_no_index(model_dir: str, store: RunStore) -> None:
+    target = load_target_model.__wrapped__(model_dir, "float32", "cpu")  # a private copy to poison
+    with torch.no_grad():
+        target.base.get_input_embeddings().weight[7] = float("nan")
+    write_sequences(store, 1, [("fine", [1, 2, 3], [0, 1, 1]), ("poisoned-42", [1, 7, 3], [0, 1, 1])])
+    with pytest.raises(HiddenStatesError, match=r"'poisoned-42'.*NaN"):
+        extract_shard(store, 1, target, HiddenStatesConfig(dtype="float32"))
+    assert not store.exists(artifact_path("hidden_states", 1))
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([("a", [1, 2], [0, 1]), ("a", [3], [1])], "'a' appears twice"),
+        ([("a", [1, 2, 600], [0, 1, 1])], "'a' has token ids outside the target's vocabulary of 512"),
+        ([("a", [1, 2, 3], [0, 1])], "'a' has 3 tokens, 2 mask values"),
+        ([("a", [], [])], "'a' has 0 tokens"),
+    ],
+)
+def test_bad_sequences_are_refused_by_name(
+    store: RunStore, rows: list[tuple[str, list[int], list[int]]], message: str
+) -> None:
+    write_sequences(store, 0, rows)
+    with pytest.raises(HiddenStatesError, match=message):
+        read_sequences(store, artifact_path("sequences", 0), vocab_size=512)
+
+
+def test_bf16_bytes_per_token_are_four_hidden_states_plus_ids_and_mask(model_dir: str, store: RunStore) -> None:
+    target = load_target_model(model_dir, "bfloat16", "cpu")
+    write_sequences(store, 0, random_rows([64] * 8, seed=5))
+    index = extract_shard(store, 0, target, HiddenStatesConfig(dtype="bfloat16"))
+
+    [part] = index["parts"]
+    per_token = part["bytes"] / index["num_tokens"]
+    expected = (3 * HIDDEN + HIDDEN) * 2 + 4 + 1  # bf16 states, int32 id, uint8 mask
+    assert expected <= per_token <= expected * 1.03
+    sample = next(read_hidden_state_shard(store, "hidden_states/shard-00000/index.json"))
+    assert sample.aux_hidden_states.dtype == sample.final_hidden_states.dtype == torch.bfloat16
+    assert sample.aux_hidden_states.shape == (64, 3 * HIDDEN) and index["dtype"] == "bfloat16"
+
+
+def test_task_hands_on_a_ref_to_the_index(model_dir: str, tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    write_sequences(store, 2, random_rows([10, 20, 5], seed=6))
+    sequences = ShardRef("sequences", 2, artifact_path("sequences", 2), 3, "unused-here")
+
+    settings = HiddenStatesConfig(dtype="float32")
+    ref = extract_hidden_states.fn(sequences, settings, model_dir, "fp", str(tmp_path), "run")
+
+    assert ref == ShardRef(
+        stage="hidden_states",
+        index=2,
+        path="hidden_states/shard-00002/index.json",
+        num_records=3,
+        sha256=sha256_hex(store.read_bytes("hidden_states/shard-00002/index.json")),
+    )
+    fingerprint = load_target_model(model_dir, "float32", "cpu").fingerprint
+    assert store.read_json(ref.path)["model"]["fingerprint"] == fingerprint
