@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,7 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _prefect_defaults() -> None:
+    """Local mode on a busy 2-core machine: give the temporary API time to start, and keep telemetry off."""
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _prefect_defaults()
     args = build_parser().parse_args(argv)
     from eagle3_datagen.errors import user_error_message
 

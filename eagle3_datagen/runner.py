@@ -21,23 +21,30 @@ def result_storage_for(config: PipelineConfig) -> Path | None:
     return Path(local) if local else None
 
 
+BOOKKEEPING_TASKS = ("start-run", "finish-run")
+
+
 async def _stage_lines(flow_run_id: UUID) -> list[str]:
+    """One line per stage: how many task runs ended in which state, and their summed run time."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     async with get_client() as client:
         runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     by_stage: dict[str, list[Any]] = defaultdict(list)
-    for run in runs:
-        by_stage[run.task_key.rsplit("-", 1)[0] if run.task_key else run.name].append(run)
+    for run in sorted(runs, key=lambda r: r.start_time or r.expected_start_time):
+        by_stage[run.name.rsplit("-", 1)[0]].append(run)
     lines = []
-    for stage, stage_runs in sorted(by_stage.items(), key=lambda kv: min(r.expected_start_time for r in kv[1])):
+    for stage, stage_runs in by_stage.items():
         states: dict[str, int] = defaultdict(int)
         for run in stage_runs:
             states[run.state_name or "?"] += 1
         seconds = sum(run.total_run_time.total_seconds() for run in stage_runs)
         summary = ", ".join(f"{n} {name}" for name, n in sorted(states.items()))
-        lines.append(f"stage {stage:<24} {summary:<28} {seconds:8.1f}s")
+        lines.append(f"stage {stage:<22} {summary:<26} {seconds:8.1f}s")
+    work = [r for r in runs if r.name.rsplit("-", 1)[0] not in BOOKKEEPING_TASKS]
+    if work and all(r.state_name == "Cached" for r in work):
+        lines.append(f"all {len(work)} work tasks cached: nothing recomputed, no request sent to any server")
     return lines
 
 

@@ -7,12 +7,13 @@ from typing import Any
 from prefect import flow, unmapped
 from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import allow_failure
-from tasks.prompts import load_prompts
 
 from eagle3_datagen.config import PipelineConfig
+from eagle3_datagen.fingerprints import fingerprint
 from tasks.generation import GenerationSettings, generate, unfinished_shards
 from tasks.health import check_servers
 from tasks.hidden_states import extract_hidden_states
+from tasks.prompts import load_prompts
 from tasks.report import finish_run, start_run
 from tasks.sequences import build_sequence_shard
 from tasks.validation import validate_generations
@@ -23,7 +24,7 @@ def pipeline(config: PipelineConfig) -> dict[str, Any]:
     """Turn a prompt dataset into EAGLE-3 training data; every stage resumes and caches by content."""
     where = {"output_uri": config.output_uri, "run_name": config.run_name}
     context = start_run(config)
-    prompts = load_prompts(config.data, **where)
+    prompts = load_prompts(config.data, fingerprint(config.data.source), **where)
     settings = GenerationSettings(config.model.name, config.profile, config.generation, config.data.source)
 
     if unfinished_shards(prompts.shards, **where):

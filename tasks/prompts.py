@@ -228,7 +228,22 @@ def read_prompt_shard(store: RunStore, ref: ShardRef) -> list[dict[str, Any]]:
     return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
 
 
-@task(name="load-prompts", retries=1, persist_result=True, cache_policy=INPUTS + TASK_SOURCE)
-def load_prompts(data: DataConfig, output_uri: str, run_name: str) -> PromptLoadResult:
-    """Prefect task: stage 2 for the run folder `{output_uri}/{run_name}`."""
+def _retry_unless_bad_input(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry transient failures (a hub hiccup), not a dataset that will fail the same way again."""
+    try:
+        state.result()
+    except (ValueError, FileNotFoundError):
+        return False
+    except Exception:
+        return True
+    return False
+
+
+@task(name="load-prompts", retries=1, retry_condition_fn=_retry_unless_bad_input, persist_result=True,
+      cache_policy=INPUTS + TASK_SOURCE)
+def load_prompts(data: DataConfig, source_fingerprint: str, output_uri: str, run_name: str) -> PromptLoadResult:
+    """Prefect task: stage 2 for the run folder `{output_uri}/{run_name}`.
+
+    `source_fingerprint` is part of the cache key, so a local file edited in place is read again.
+    """
     return build_prompt_shards(data, RunStore(output_uri, run_name))

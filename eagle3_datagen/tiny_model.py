@@ -1,0 +1,324 @@
+"""Build a tiny Qwen3-style reasoning model offline, so the demo and tests can serve a real model with vLLM.
+
+Nothing is downloaded: the tokenizer is trained here with `tokenizers`, and a ~0.6 M-parameter
+`Qwen3ForCausalLM` is trained for about a minute on synthetic conversations until it answers in Qwen3's
+format, `<think>\\n{reasoning}\\n</think>\\n\\n{answer}<|im_end|>`, which vLLM's `qwen3` reasoning parser
+splits into `reasoning` and `content`. The build is deterministic: the same seed gives the same bytes.
+
+Usage: `python -m eagle3_datagen.tiny_model --out build/tiny-model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+DEMO_QUESTIONS = Path(__file__).parent / "data" / "demo_questions.jsonl"
+
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+THINK_START, THINK_END = "<think>", "</think>"
+VOCAB_SIZE = 2000
+AUX_LAYERS = (2, 4, 5)  # input-to-layer convention [2, N//2, N-3] for N = 8 layers
+
+# Qwen3's template without tools: reasoning is kept only on assistant turns after the last user message
+# (from `reasoning_content`, or split out of inline `<think>` content); every earlier assistant turn renders
+# only its content. `enable_thinking=false` pre-fills an empty think block, as Qwen3 does.
+CHAT_TEMPLATE = r"""{%- set ns = namespace(last_query_index=messages|length - 1) -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' -%}{%- set ns.last_query_index = loop.index0 -%}{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+{%- set content = message.content if message.content is string else '' -%}
+{%- if message.role == 'assistant' -%}
+{%- set reasoning = '' -%}
+{%- if message.reasoning_content is string -%}
+{%- set reasoning = message.reasoning_content -%}
+{%- elif '</think>' in content -%}
+{%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}
+{%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+{%- endif -%}
+{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning) -%}
+{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') -}}
+{%- else -%}
+{{- '<|im_start|>assistant\n' + content -}}
+{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- else -%}
+{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}
+{{- '<think>\n\n</think>\n\n' -}}
+{%- endif -%}
+{%- endif -%}"""
+
+MODEL_README = """# Tiny demo reasoning model (eagle3-datagen)
+
+Built offline by `python -m eagle3_datagen.tiny_model`: a {params:,}-parameter `Qwen3ForCausalLM`
+(hidden 64, 8 layers, 4 heads, 2 KV heads, head_dim 16, tied embeddings, float32) with a byte-level BPE
+tokenizer of {vocab} tokens trained on synthetic text, and a Qwen3-style chat template.
+
+It was trained for a minute on synthetic conversations, only to produce Qwen3's output *format*:
+`<think>\\n{{reasoning}}\\n</think>\\n\\n{{answer}}<|im_end|>`. Its words are canned and often wrong: it is not a
+useful language model. It exists so the pipeline can be tested end to end against a real vLLM server
+(`--reasoning-parser qwen3`) on a CPU, with no download. EAGLE-3 aux layers: {aux} (input-to-layer ids).
+
+- `<|im_start|>`, `<|im_end|>` (end of turn, eos) and `<|endoftext|>` (pad) are special tokens.
+- `<think>` and `</think>` are added tokens with `special: false` (they survive `skip_special_tokens`).
+- Template switch: `chat_template_kwargs={{"enable_thinking": false}}` pre-fills `<think>\\n\\n</think>\\n\\n`.
+- Like Qwen3's, the template drops the reasoning of assistant turns before the last user message.
+"""
+
+# Synthetic prompts and canned replies. The model only has to learn the shape of a reply, so the replies
+# are a few fixed sentences per kind of question: low entropy keeps sampling at temperature 0.7 on format.
+_COUNTRIES = {
+    "France": "Paris", "Japan": "Tokyo", "Spain": "Madrid", "Egypt": "Cairo", "Canada": "Ottawa",
+    "Peru": "Lima", "Kenya": "Nairobi", "Norway": "Oslo", "India": "New Delhi", "Chile": "Santiago",
+    "Greece": "Athens", "Poland": "Warsaw", "Mexico": "Mexico City", "Vietnam": "Hanoi",
+}
+_WORDS = [
+    "gravity", "a verb", "an atom", "democracy", "a prime number", "a variable", "erosion", "a habit",
+    "friction", "a metaphor", "an ecosystem", "a recipe", "a budget", "a database", "an island", "a fraction",
+]
+_CODE_TASKS = [
+    "sort a list", "read a file", "join two strings", "count words in a text", "find the largest number",
+    "remove duplicates from a list", "reverse a string", "parse JSON", "loop over a dictionary",
+]
+_LANGUAGES = ["Python", "JavaScript", "Go", "Rust", "SQL", "Bash"]
+_CHORES = [
+    "clean a window", "make tea", "fold a shirt", "plan a trip", "cook rice", "wake up early",
+    "keep plants alive", "learn a new word every day", "stay focused", "save energy at home",
+]
+_SYSTEMS = [
+    "You are a helpful assistant.", "You are a concise tutor.", "Answer briefly.",
+    "You are a friendly guide.", "Keep your answers short.",
+]
+
+_REASONING_OPENERS = {
+    "math": ["This is a small arithmetic question.", "The user wants a quick calculation."],
+    "define": ["The user asks what a word or idea means.", "This asks for a short definition."],
+    "geo": ["This is a geography question.", "The user asks about a place in the world."],
+    "code": ["This is a programming question.", "The user wants help with some code."],
+    "life": ["This is an everyday question.", "The user wants practical advice."],
+}
+_REASONING_CLOSERS = [
+    "I will answer in one short sentence.", "A brief, clear answer is best.", "I should keep it simple.",
+    "Let me give the key fact.",
+]
+_ANSWERS = {
+    "math": ["The answer is a small number.", "Here is the result of the calculation."],
+    "define": ["It is a simple idea with a short meaning.", "Here is a short definition."],
+    "geo": ["It is a well known place.", "Here is the place you asked about."],
+    "code": ["Use a short function for that.", "Here is a simple way to write it."],
+    "life": ["Take it one small step at a time.", "Here is a simple tip."],
+}
+_KIND_WORDS = {
+    "math": ("plus", "minus", "times", "half", "prime", "square", "how many", "divided", "sum"),
+    "geo": ("capital", "river", "ocean", "continent", "mountain", "country", "where is", "language is spoken"),
+    "code": ("python", "sql", "function", "code", "http", "list", "string", "javascript", "bash"),
+    "define": ("what is a", "what is an", "define", "mean", "what does", "opposite"),
+}
+
+
+def _kind(question: str) -> str:
+    """A coarse topic, so replies depend a little on the question (the model learns the cue words)."""
+    lower = question.lower()
+    for kind, words in _KIND_WORDS.items():
+        if any(word in lower for word in words):
+            return kind
+    return "life"
+
+
+def _synthetic_question(rng: random.Random) -> str:
+    """One generated question in the same families as the demo questions."""
+    a, b = rng.randint(2, 99), rng.randint(2, 99)
+    country = rng.choice(sorted(_COUNTRIES))
+    return rng.choice([
+        f"What is {a} plus {b}?", f"What is {a} minus {b}?", f"What is {a} times {b}?",
+        f"What is {a * b} divided by {b}?", f"Is {a} a prime number?", f"How many days are in {a} weeks?",
+        f"What is the capital of {country}?", f"Where is {_COUNTRIES[country]}?",
+        f"On which continent is {country}?", f"What language is spoken in {country}?",
+        f"What is {rng.choice(_WORDS)}?", f"Define {rng.choice(_WORDS)}.",
+        f"What does {rng.choice(_WORDS)} mean?",
+        f"How do I {rng.choice(_CODE_TASKS)} in {rng.choice(_LANGUAGES)}?",
+        f"Write a {rng.choice(_LANGUAGES)} function to {rng.choice(_CODE_TASKS)}.",
+        f"How do I {rng.choice(_CHORES)}?", f"Give me a tip to {rng.choice(_CHORES)}.",
+        f"Why should I {rng.choice(_CHORES)}?",
+    ])
+
+
+def _reply(question: str, rng: random.Random) -> tuple[str, str]:
+    """Canned (reasoning, answer) for a question."""
+    kind = _kind(question)
+    reasoning = f"{rng.choice(_REASONING_OPENERS[kind])} {rng.choice(_REASONING_CLOSERS)}"
+    return reasoning, rng.choice(_ANSWERS[kind])
+
+
+def _demo_conversations() -> list[list[dict[str, str]]]:
+    """The demo questions as chat messages (ShareGPT `from`/`value` mapped to `role`/`content`)."""
+    roles = {"system": "system", "human": "user", "gpt": "assistant"}
+    rows = [json.loads(line) for line in DEMO_QUESTIONS.read_text(encoding="utf-8").splitlines() if line]
+    return [[{"role": roles[t["from"]], "content": t["value"]} for t in row["conversations"]] for row in rows]
+
+
+def _training_conversations(rng: random.Random, count: int) -> list[tuple[list[dict[str, str]], str, str]]:
+    """(prompt messages, reasoning, answer) triples: every demo prompt a few times plus generated ones."""
+    prompts = _demo_conversations() * 4
+    while len(prompts) < count:
+        messages = [{"role": "user", "content": _synthetic_question(rng)}]
+        if rng.random() < 0.2:
+            messages.insert(0, {"role": "system", "content": rng.choice(_SYSTEMS)})
+        if rng.random() < 0.2:
+            earlier = _synthetic_question(rng)
+            history = [{"role": "user", "content": earlier}, {"role": "assistant", "content": _reply(earlier, rng)[1]}]
+            messages[-1:-1] = history
+        prompts.append(messages)
+    triples = []
+    for messages in prompts:
+        reasoning, answer = _reply(messages[-1]["content"], rng)
+        triples.append((messages, reasoning, answer))
+    return triples
+
+
+def _train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """Byte-level BPE with Qwen3's special and think tokens, wrapped for transformers."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - 2,
+        min_frequency=2,
+        special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    # Not special, as in Qwen3 and Kimi: they must survive skip_special_tokens for the reasoning parser.
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in (THINK_START, THINK_END)])
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=IM_END, pad_token=PAD, model_max_length=2048
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def _batches(
+    rows: list[tuple[list[int], list[int]]], batch_size: int, rng: random.Random, pad_id: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless shuffled batches of (input_ids, labels); labels are -100 outside the assistant's reply."""
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            chunk = [rows[i] for i in order[start : start + batch_size]]
+            width = max(len(prompt) + len(reply) for prompt, reply in chunk)
+            ids = torch.full((batch_size, width), pad_id, dtype=torch.long)
+            labels = torch.full((batch_size, width), -100, dtype=torch.long)
+            for row, (prompt, reply) in enumerate(chunk):
+                ids[row, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
+                labels[row, len(prompt) : len(prompt) + len(reply)] = torch.tensor(reply)
+            yield ids, labels
+
+
+def build_tiny_model(out_dir: Path, seed: int = 0, steps: int = 600) -> Path:
+    """Build tokenizer + trained model into `out_dir` and return it; same seed, same bytes."""
+    out_dir = Path(out_dir)
+    rng = random.Random(seed)
+    triples = _training_conversations(rng, count=1600)
+    texts = [m["content"] for messages, _, _ in triples for m in messages]
+    texts += [f"{role}\n" for role in ("system", "user", "assistant")]
+    texts += [f"{reasoning}\n\n{answer}" for _, reasoning, answer in triples]
+    tokenizer = _train_tokenizer(texts)
+
+    rows = []
+    for index, (messages, reasoning, answer) in enumerate(triples):
+        thinking = index % 10 != 0  # a tenth with thinking off, so the switch also works
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=thinking
+        )
+        reply = f"{THINK_START}\n{reasoning}\n{THINK_END}\n\n{answer}{IM_END}" if thinking else f"{answer}{IM_END}"
+        rows.append((tokenizer.encode(prompt), tokenizer.encode(reply)))
+
+    config = Qwen3Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # fixed: the float reduction order, hence the weights, depends on the thread count
+    try:
+        with torch.random.fork_rng(devices=[]):  # seeds the weights without touching the caller's RNG
+            torch.manual_seed(seed)
+            model = _train(Qwen3ForCausalLM(config), rows, rng, tokenizer.pad_token_id, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.pad_token_id,
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=True,
+        temperature=0.7,
+        top_p=0.9,
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    params = sum(p.numel() for p in model.parameters())
+    readme = MODEL_README.format(params=params, vocab=len(tokenizer), aux=list(AUX_LAYERS))
+    (out_dir / "README.md").write_text(readme, encoding="utf-8")
+    return out_dir
+
+
+def _train(
+    model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random, pad_id: int, steps: int
+) -> Qwen3ForCausalLM:
+    """A short deterministic AdamW run on the replies only (the prompts are not the model's to learn)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30))
+    model.train()
+    batches = _batches(rows, batch_size=32, rng=rng, pad_id=pad_id)
+    for _ in range(steps):
+        ids, labels = next(batches)
+        loss = model(input_ids=ids, labels=labels).loss  # right padding: causal attention never sees it
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder to write the model into")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    started = time.monotonic()
+    out_dir = build_tiny_model(args.out, seed=args.seed)
+    params = sum(t.numel() for t in load_file(out_dir / "model.safetensors").values())
+    print(f"tiny model ({params:,} parameters) written to {out_dir} in {time.monotonic() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
