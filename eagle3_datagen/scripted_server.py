@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import threading
 import time
@@ -20,6 +21,16 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+FAULTS = (
+    "ok",
+    "http-500", "http-502", "http-503", "http-429", "http-408", "http-400",  # an HTTP status with an error body
+    "reset",  # the connection drops in the middle of the response body
+    "malformed",  # 200 with a body that is not JSON
+    "missing",  # 200 with JSON that lacks `choices`
+    "slow",  # answers after Script.slow_s (longer than the client's timeout)
+)
+RANDOM_FAULTS = ("http-500", "http-503", "http-429", "reset", "malformed", "missing")
 
 SHAPES = (
     "reasoning",  # vLLM >= 0.16
@@ -50,14 +61,20 @@ class Script:
     shape: str = "reasoning"
     return_token_ids: bool = True
     latency_s: float = 0.0
-    fail_statuses: list[int] = field(default_factory=list)  # statuses returned by the next requests, in order
+    slow_s: float = 30.0
+    faults: list[str] = field(default_factory=list)  # what the next requests get, in order (see FAULTS)
+    fault_rate: float = 0.0  # chance that any other request gets a random fault
+    seed: int = 0
     think_start: str = "<think>"
     think_end: str = "</think>"
+    end_of_turn: str = "<|im_end|>"
+    tokenizer: Any = None  # a HF tokenizer: token ids become real encodings of the prompt and the completion
 
 
 @dataclass
 class Log:
     requests: int = 0
+    faults: int = 0
     in_flight: int = 0
     max_in_flight: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
@@ -84,11 +101,12 @@ def _message(question: str, body: dict[str, Any], script: Script) -> dict[str, A
 class ScriptedServer:
     """Runs the app with uvicorn in a background thread on a free loopback port."""
 
-    def __init__(self, script: Script | None = None) -> None:
+    def __init__(self, script: Script | None = None, port: int | None = None) -> None:
         self.script = script or Script()
         self.log = Log()
         self._lock = threading.Lock()
-        self.port = _free_port()
+        self._random = random.Random(self.script.seed)
+        self.port = port or _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = Starlette(routes=[
             Route("/health", self._health),
@@ -118,42 +136,72 @@ class ScriptedServer:
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.script.model, "object": "model"}]})
 
+    def _next_fault(self) -> str:
+        if self.script.faults:
+            return self.script.faults.pop(0)
+        if self.script.fault_rate and self._random.random() < self.script.fault_rate:
+            return self._random.choice(RANDOM_FAULTS)
+        return "ok"
+
     async def _chat(self, request: Request) -> Response:
         body = await request.json()
         with self._lock:
             self.log.requests += 1
             self.log.bodies.append(body)
-            status = self.script.fail_statuses.pop(0) if self.script.fail_statuses else 200
+            fault = self._next_fault()
+            self.log.faults += fault != "ok"
             self.log.in_flight += 1
             self.log.max_in_flight = max(self.log.max_in_flight, self.log.in_flight)
             self.log.in_flight_samples.append((time.monotonic(), self.log.in_flight))
         try:
-            if self.script.latency_s:
-                await asyncio.sleep(self.script.latency_s)
-            if status != 200:
+            await asyncio.sleep(self.script.slow_s if fault == "slow" else self.script.latency_s)
+            if fault.startswith("http-"):
+                status = int(fault.removeprefix("http-"))
                 return JSONResponse({"error": {"message": f"scripted failure {status}", "code": status}},
                                     status_code=status)
+            if fault == "malformed":
+                return Response('{"choices": [', media_type="application/json")
+            if fault == "missing":
+                return JSONResponse({"id": "chatcmpl-scripted", "object": "chat.completion"})
             question = body["messages"][-1]["content"]
             message = _message(question, body, self.script)
             if body.get("stream"):
                 return StreamingResponse(self._stream(message), media_type="text/event-stream")
-            return JSONResponse(self._completion(message))
+            payload = self._completion(body, message)
+            if fault == "reset":
+                return StreamingResponse(_torn(json.dumps(payload)), media_type="application/json")
+            return JSONResponse(payload)
         finally:
             with self._lock:
                 self.log.in_flight -= 1
                 self.log.in_flight_samples.append((time.monotonic(), self.log.in_flight))
 
-    def _completion(self, message: dict[str, Any]) -> dict[str, Any]:
+    def _token_ids(self, body: dict[str, Any], message: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """Real ids when a tokenizer is scripted (the model writes the start tag), else placeholders."""
+        tok = self.script.tokenizer
+        if tok is None:
+            return list(range(8)), list(range(100, 116))
+        prompt = tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True,
+                                         **(body.get("chat_template_kwargs") or {}))
+        reasoning = message.get("reasoning") or message.get("reasoning_content")
+        completion = message["content"] if reasoning is None else (
+            f"{self.script.think_start}{reasoning}{self.script.think_end}{message['content']}")
+        encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        return encode(prompt), encode(completion + self.script.end_of_turn)
+
+    def _completion(self, body: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
+        prompt_ids, completion_ids = self._token_ids(body, message)
         payload: dict[str, Any] = {
             "id": "chatcmpl-scripted",
             "object": "chat.completion",
             "model": self.script.model,
             "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
-            "usage": {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24},
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion_ids),
+                      "total_tokens": len(prompt_ids) + len(completion_ids)},
         }
         if self.script.return_token_ids:
-            payload["prompt_token_ids"] = list(range(8))
-            payload["choices"][0]["token_ids"] = list(range(100, 116))
+            payload["prompt_token_ids"] = prompt_ids
+            payload["choices"][0]["token_ids"] = completion_ids
         return payload
 
     async def _stream(self, message: dict[str, Any]):  # type: ignore[no-untyped-def]
@@ -174,6 +222,12 @@ class ScriptedServer:
                 "usage": {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24}}
         yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
+
+
+async def _torn(text: str):  # type: ignore[no-untyped-def]
+    """Half a body, then the connection is dropped."""
+    yield text[: len(text) // 2]
+    raise ConnectionResetError("scripted connection reset")
 
 
 def _free_port() -> int:

@@ -32,6 +32,7 @@ from tasks.health import ServerCheckFailed, diagnose
 
 SETTINGS_FILE = "generations/settings.json"
 ENDPOINT_FAILURES_BEFORE_BACKOFF = 3
+ENDPOINT_MAX_COOLDOWN_S = 30.0
 
 
 class GenerationError(RuntimeError):
@@ -72,6 +73,7 @@ class _Endpoint:
     client: OpenAIClient
     in_flight: int = 0
     failures: int = 0
+    trips: int = 0
     available_at: float = 0.0
     sent: int = 0
 
@@ -100,15 +102,23 @@ class EndpointPool:
                     await asyncio.wait_for(self._changed.wait(), timeout=min(waits) if waits else None)
 
     async def release(self, endpoint: _Endpoint, healthy: bool) -> None:
+        """Return a slot; three failures in a row open the endpoint's breaker for a growing cool-down.
+
+        Failures of requests that were already in flight when the breaker opened do not lengthen it, so an
+        endpoint that comes back is tried again within `ENDPOINT_MAX_COOLDOWN_S`.
+        """
         async with self._changed:
             endpoint.in_flight -= 1
+            now = time.monotonic()
             if healthy:
-                endpoint.failures = 0
-            else:
+                endpoint.failures = endpoint.trips = 0
+            elif endpoint.available_at <= now:
                 endpoint.failures += 1
                 if endpoint.failures >= ENDPOINT_FAILURES_BEFORE_BACKOFF:
-                    exponent = endpoint.failures - ENDPOINT_FAILURES_BEFORE_BACKOFF
-                    endpoint.available_at = time.monotonic() + min(60.0, self._backoff_s * 2**exponent)
+                    cooldown = min(ENDPOINT_MAX_COOLDOWN_S, self._backoff_s * 2**endpoint.trips)
+                    endpoint.available_at = now + cooldown
+                    endpoint.trips += 1
+                    endpoint.failures = 0
             self._changed.notify_all()
 
 

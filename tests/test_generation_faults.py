@@ -1,0 +1,193 @@
+"""Generation under faults: retries, rejections, endpoints that die and return, a killed run that resumes.
+
+Every run here ends with the invariant: each prompt is generated exactly once or rejected with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path
+from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
+from eagle3_datagen.profiles import BUILTIN_PROFILES
+from eagle3_datagen.scripted_server import Script, ScriptedServer, expected_reasoning
+from eagle3_datagen.storage import RunStore
+from tasks.generation import GenerationError, GenerationSettings, generate_async
+
+QWEN3 = BUILTIN_PROFILES["qwen3"]
+
+
+def write_prompt_shards(store: RunStore, shards: int, per_shard: int) -> list[ShardRef]:
+    refs = []
+    for index in range(shards):
+        rows = [{"id": f"p{index}-{i}", "row": index * per_shard + i,
+                 "messages": [{"role": "user", "content": f"question {index}-{i}"}]} for i in range(per_shard)]
+        store.write_jsonl(artifact_path("prompts", index), rows)
+        refs.append(ShardRef("prompts", index, artifact_path("prompts", index), per_shard, "x"))
+    return refs
+
+
+def settings(temperature: float = 1.0) -> GenerationSettings:
+    return GenerationSettings("scripted-model", QWEN3, GenerationConfig(max_tokens=64, temperature=temperature), "t")
+
+
+def run_generation(store: RunStore, refs: list[ShardRef], urls: list[str], budget: int = 8,
+                   gen: GenerationSettings | None = None, validation: ValidationConfig | None = None,
+                   **server: object) -> list[ShardRef]:
+    config = ServerConfig(endpoints=urls, max_in_flight=budget, retry_backoff_s=0.01, **server)
+    return asyncio.run(generate_async(store, refs, gen or settings(), config, validation or ValidationConfig(),
+                                      logging.getLogger("test"), progress_every_s=0.2))
+
+
+def assert_exactly_once(store: RunStore, refs: list[ShardRef]) -> tuple[int, int]:
+    """Every prompt id appears once in the generations or once in the rejected lists, never both."""
+    expected = {p["id"] for ref in refs for p in store.read_jsonl(ref.path)}
+    generated = [r["id"] for ref in refs if store.exists(artifact_path("generations", ref.index))
+                 for r in store.read_jsonl(artifact_path("generations", ref.index))]
+    rejected = [r["id"] for ref in refs if store.exists(rejected_path("generations", ref.index))
+                for r in store.read_jsonl(rejected_path("generations", ref.index))]
+    assert len(generated) == len(set(generated)), "duplicate generations"
+    assert sorted(generated + rejected) == sorted(expected), "a prompt was lost or doubled"
+    return len(generated), len(rejected)
+
+
+def test_transient_faults_are_retried_until_every_record_lands(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 2, 10)
+    faults = ["http-500", "http-429", "reset", "malformed", "missing", "http-503", "http-502", "http-408", "slow"]
+    with ScriptedServer(Script(faults=list(faults), slow_s=3)) as server:
+        run_generation(store, refs, [server.url], budget=4, request_timeout_s=1)
+        assert server.log.requests == 20 + len(faults)
+    assert assert_exactly_once(store, refs) == (20, 0)
+
+
+def test_a_refused_request_is_rejected_with_the_servers_reason_and_the_run_goes_on(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 1, 6)
+    with ScriptedServer(Script(faults=["http-400"])) as server:
+        run_generation(store, refs, [server.url], budget=1)
+        assert server.log.requests == 6, "a 400 is not retried"
+    assert assert_exactly_once(store, refs) == (5, 1)
+    [rejected] = store.read_jsonl(rejected_path("generations", 0))
+    assert "HTTP 400" in rejected["reason"] and "scripted failure 400" in rejected["reason"]
+
+
+def test_a_dead_server_fails_the_run_but_keeps_finished_records(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 1, 4)
+    dying = Script(faults=["ok", "ok"] + ["http-503"] * 100)
+    with ScriptedServer(dying) as server, pytest.raises(GenerationError, match="run again to resume"):
+        run_generation(store, refs, [server.url], budget=1, max_retries=2)
+    partial = tmp_path / "run" / "generations" / "shard-00000.partial.jsonl"
+    assert len(partial.read_text().splitlines()) == 2
+    with ScriptedServer(Script()) as server:
+        run_generation(store, refs, [server.url], budget=1)
+        assert server.log.requests == 2, "only the two unfinished records are asked again"
+    assert assert_exactly_once(store, refs) == (4, 0)
+
+
+def test_budget_is_shared_across_shards_and_never_exceeded(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 20, 5)  # many small shards: per-shard pools would drain at every boundary
+    with ScriptedServer(Script(latency_s=0.25)) as server:
+        run_generation(store, refs, [server.url], budget=8, validation=ValidationConfig(early_abort_after=8))
+        samples = server.log.in_flight_samples
+        assert server.log.max_in_flight <= 8
+    start, end = samples[0][0], samples[-1][0]
+    # after the probation window (the first 8 requests are checked before the budget opens), before the tail
+    middle = [(t, n) for t, n in samples if start + 0.2 * (end - start) <= t <= start + 0.8 * (end - start)]
+    weighted = sum(n * (t2 - t1) for (t1, n), (t2, _) in itertools.pairwise(middle))
+    assert weighted / (middle[-1][0] - middle[0][0]) > 7.0, "in-flight count dropped between shards"
+    assert assert_exactly_once(store, refs) == (100, 0)
+
+
+def test_an_endpoint_that_dies_is_avoided_and_used_again_when_it_returns(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 4, 50)
+    with ScriptedServer(Script(latency_s=0.05)) as steady:
+        flaky = ScriptedServer(Script(latency_s=0.05)).__enter__()
+        port = flaky.port
+        revived: list[ScriptedServer] = []
+
+        def kill_then_revive() -> None:
+            while flaky.log.requests < 20:
+                time.sleep(0.01)
+            flaky.__exit__(None, None, None)
+            time.sleep(0.5)
+            revived.append(ScriptedServer(Script(latency_s=0.05), port=port).__enter__())
+
+        chaos = threading.Thread(target=kill_then_revive)
+        chaos.start()
+        run_generation(store, refs, [flaky.url, steady.url], budget=4, max_retries=8)
+        chaos.join()
+        try:
+            assert steady.log.requests > 50
+            assert revived and revived[0].log.requests > 0, "the endpoint that came back was not used again"
+        finally:
+            revived[0].__exit__(None, None, None)
+    assert assert_exactly_once(store, refs) == (200, 0)
+
+
+def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 1, 2)
+    with ScriptedServer(Script()) as server:
+        run_generation(store, refs, [server.url])
+        with pytest.raises(GenerationError, match="generated with other settings"):
+            run_generation(store, refs, [server.url], gen=settings(temperature=0.3))
+
+
+KILLABLE = """
+import asyncio, logging, sys
+from eagle3_datagen.artifacts import ShardRef
+from eagle3_datagen.config import ServerConfig, ValidationConfig
+from eagle3_datagen.storage import RunStore
+from tasks.generation import generate_async
+sys.path.insert(0, {tests!r})
+from test_generation_faults import settings
+refs = [ShardRef("prompts", i, f"prompts/shard-{{i:05d}}.jsonl", 30, "x") for i in range(3)]
+server = ServerConfig(endpoints=[{url!r}], max_in_flight=4)
+asyncio.run(generate_async(RunStore({root!r}, "run"), refs, settings(), server, ValidationConfig(),
+                           logging.getLogger("child")))
+"""
+
+
+def test_a_killed_run_resumes_without_repeating_or_losing_a_record(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 3, 30)
+    partial = tmp_path / "run" / "generations" / "shard-00001.partial.jsonl"
+    with ScriptedServer(Script(latency_s=0.03)) as server:
+        code = KILLABLE.format(tests=str(Path(__file__).parent), url=server.url, root=str(tmp_path))
+        child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not (partial.exists() and len(partial.read_text().splitlines()) >= 10):
+            assert child.poll() is None and time.monotonic() < deadline, "child ended before it could be killed"
+            time.sleep(0.01)
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        finished_before = {json.loads(line)["record"]["id"]
+                           for f in (tmp_path / "run" / "generations").glob("*.jsonl")
+                           for line in f.read_text().splitlines() if line.strip() and "record" in json.loads(line)}
+        finished_before |= {r["id"] for ref in refs if store.exists(artifact_path("generations", ref.index))
+                            for r in store.read_jsonl(artifact_path("generations", ref.index))}
+        sent_before = server.log.requests
+        run_generation(store, refs, [server.url], budget=4)
+        asked_after = [b["messages"][-1]["content"] for b in server.log.bodies[sent_before:]]
+    questions_done = {f"question {i.removeprefix('p')}" for i in finished_before}
+    assert not questions_done & set(asked_after), "a finished record was requested again"
+    assert assert_exactly_once(store, refs) == (90, 0)
+    for ref in refs:
+        for record in store.read_jsonl(artifact_path("generations", ref.index)):
+            assert record["reasoning"] == expected_reasoning(record["messages"][-1]["content"])
