@@ -61,6 +61,7 @@ class GenerationConfig(_Section):
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=0.95, gt=0, le=1)
     seed: int | None = Field(default=None, description="Per-request seed base (the record index is added).")
+    n: PositiveInt = Field(default=1, description="Samples per prompt (ids get a `:k` suffix when n > 1).")
     extra_body: dict[str, Any] = Field(
         default_factory=dict, description="Extra top-level request fields (e.g. structured_outputs)."
     )

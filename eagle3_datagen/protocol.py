@@ -78,6 +78,8 @@ def build_chat_request(
         body["reasoning_effort"] = profile.reasoning_effort
     if seed is not None:
         body["seed"] = seed
+    if generation.n > 1:
+        body["n"] = generation.n
     if stream:
         body["stream_options"] = {"include_usage": True}
     body.update(generation.extra_body)

@@ -195,13 +195,14 @@ class ScriptedServer:
             "id": "chatcmpl-scripted",
             "object": "chat.completion",
             "model": self.script.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+            "choices": [{"index": k, "message": message, "finish_reason": "stop"} for k in range(body.get("n", 1))],
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(completion_ids),
                       "total_tokens": len(prompt_ids) + len(completion_ids)},
         }
         if self.script.return_token_ids:
             payload["prompt_token_ids"] = prompt_ids
-            payload["choices"][0]["token_ids"] = completion_ids
+            for choice in payload["choices"]:
+                choice["token_ids"] = completion_ids
         return payload
 
     async def _stream(self, message: dict[str, Any]):  # type: ignore[no-untyped-def]

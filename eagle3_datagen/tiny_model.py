@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 DEMO_QUESTIONS = Path(__file__).parent / "data" / "demo_questions.jsonl"
@@ -27,6 +27,10 @@ DEMO_QUESTIONS = Path(__file__).parent / "data" / "demo_questions.jsonl"
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK_START, THINK_END = "<think>", "</think>"
 VOCAB_SIZE = 2000
+# Qwen2/3's pre-tokenizer split: digits one by one, newline runs kept together ("\n\n" is one token).
+_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 AUX_LAYERS = (2, 4, 5)  # input-to-layer convention [2, N//2, N-3] for N = 8 layers
 
 # Qwen3's template without tools: reasoning is kept only on assistant turns after the last user message
@@ -100,6 +104,34 @@ _CHORES = [
     "clean a window", "make tea", "fold a shirt", "plan a trip", "cook rice", "wake up early",
     "keep plants alive", "learn a new word every day", "stay focused", "save energy at home",
 ]
+# Everyday words for the tokenizer's corpus only, so its vocabulary is not just the canned replies.
+_COMMON_TEXT = """
+about above across after again against air all almost along also always among animal answer any apple area
+around ask away baby back ball bank base basket bath beach bean bear beautiful because bed before begin behind
+believe below best better between big bird black blue boat body book both bottle bottom box boy bread break
+bridge bright bring brother brown build busy buy call camera can car card care carry case cat catch cause
+center chair change cheap check child choose city class clean clear climb clock close cloud coat coffee cold
+color come common company compare computer cook cool copy corner correct count country course cover cross
+cup cut dance dark data date daughter day dear decide deep desk different dinner direction discover doctor
+dog door down draw dream dress drink drive dry during early earth easy eat edge egg energy engine enough
+enter even evening every example explain face fact fall family far farm fast father feel field file fill
+final find fine finger finish fire first fish floor flower fly follow food foot forest forget form forward
+free fresh friend front fruit full game garden gather girl give glass good grass great green ground group
+grow guess hair hand happy hard head hear heart heavy help here high hill history hold home hope horse hot
+hour house idea important inside island job join journey jump keep key kind kitchen know lake language large
+last late laugh learn leave left letter level library light line listen little live long look machine make
+many map market matter measure meet memory middle minute mirror money month moon morning mother mountain move
+music name near need never new next night noise north note number object ocean offer office often open order
+other outside page paint paper park part party pass past pencil people picture piece place plan plant play
+please point power present problem program question quick quiet rain read ready reason red remember rest
+return river road rock room round rule safe same school science sea season second seed sell send sentence
+shape share short show side sign simple sing sister sleep slow small smile snow soft song sound south space
+speak special spring square stand star start station stay step stone story street strong student study
+summer sun table take talk teacher team test thing think time today together tomorrow tool town train travel
+tree try turn under understand use value village visit voice wait walk wall warm watch water weather week
+well west wheel white wind window winter word work world write year yellow young
+"""
+_COMMON_WORDS = _COMMON_TEXT.split()
 _SYSTEMS = [
     "You are a helpful assistant.", "You are a concise tutor.", "Answer briefly.",
     "You are a friendly guide.", "Keep your answers short.",
@@ -194,11 +226,14 @@ def _training_conversations(rng: random.Random, count: int) -> list[tuple[list[d
 def _train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     """Byte-level BPE with Qwen3's special and think tokens, wrapped for transformers."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE - 2,
-        min_frequency=2,
+        min_frequency=1,
         special_tokens=[PAD, IM_START, IM_END],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
@@ -231,14 +266,18 @@ def _batches(
             yield ids, labels
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0, steps: int = 600) -> Path:
+def build_tiny_model(out_dir: Path, seed: int = 0, steps: int = 200) -> Path:
     """Build tokenizer + trained model into `out_dir` and return it; same seed, same bytes."""
     out_dir = Path(out_dir)
     rng = random.Random(seed)
     triples = _training_conversations(rng, count=1600)
-    texts = [m["content"] for messages, _, _ in triples for m in messages]
-    texts += [f"{role}\n" for role in ("system", "user", "assistant")]
-    texts += [f"{reasoning}\n\n{answer}" for _, reasoning, answer in triples]
+    # The conversations as plain text (tags left out: they are added tokens), plus more questions for variety.
+    texts = [
+        "".join(f"{m['role']}\n{m['content']}\n" for m in messages) + f"assistant\n\n{reasoning}\n\n\n{answer}\n"
+        for messages, reasoning, answer in triples
+    ]
+    texts += [_synthetic_question(rng) for _ in range(4000)]
+    texts += [" ".join(rng.choices(_COMMON_WORDS, k=12)).capitalize() + "." for _ in range(3000)]
     tokenizer = _train_tokenizer(texts)
 
     rows = []
@@ -294,7 +333,7 @@ def _train(
     model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random, pad_id: int, steps: int
 ) -> Qwen3ForCausalLM:
     """A short deterministic AdamW run on the replies only (the prompts are not the model's to learn)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30))
     model.train()
     batches = _batches(rows, batch_size=32, rng=rng, pad_id=pad_id)

@@ -219,9 +219,10 @@ class _ShardState:
         return len(self.entries) == self.size
 
 
-def _record(item: _Item, done: Completion) -> dict[str, Any]:
+def _record(item: _Item, done: Completion, sample: int, samples: int) -> dict[str, Any]:
+    """One generated record; with `n` samples per prompt, ids get a `:k` suffix so each stays unique."""
     return {
-        "id": item.record_id,
+        "id": item.record_id if samples == 1 else f"{item.record_id}:{sample}",
         "messages": item.messages,
         "reasoning": done.reasoning,
         "content": done.content,
@@ -236,7 +237,7 @@ def _record(item: _Item, done: Completion) -> dict[str, Any]:
 def finalize_shard(store: RunStore, state: _ShardState) -> ShardRef:
     """Write the finished shard atomically (records in prompt order), its rejections, then drop the log."""
     ordered = [state.entries[p] for p in sorted(state.entries)]
-    records = [e["record"] for e in ordered if "record" in e]
+    records = [record for e in ordered for record in e.get("records", [])]
     rejected = [e["rejected"] for e in ordered if "rejected" in e]
     if rejected:
         store.write_jsonl(rejected_path("generations", state.ref.index), rejected)
@@ -336,7 +337,7 @@ async def generate_async(
         for attempt in range(server.max_retries + 1):
             endpoint = await pool.acquire()
             try:
-                completion = (await endpoint.client.chat(body, settings.profile))[0]
+                completions = await endpoint.client.chat(body, settings.profile)
             except RequestFailed as error:
                 await pool.release(endpoint, healthy=not error.retryable)
                 if not error.retryable:
@@ -351,9 +352,11 @@ async def generate_async(
                 await asyncio.sleep(server.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5))
                 continue
             await pool.release(endpoint, healthy=True)
-            states[item.shard].append({"position": item.position, "record": _record(item, completion)})
-            stats["tokens"] += int(completion.usage.get("completion_tokens") or 0)
-            return completion
+            samples = len(completions)
+            records = [_record(item, done, k, samples) for k, done in enumerate(completions)]
+            states[item.shard].append({"position": item.position, "records": records})
+            stats["tokens"] += int(completions[0].usage.get("completion_tokens") or 0)
+            return completions[0]
         return None
 
     async def worker() -> None:

@@ -177,9 +177,9 @@ def test_a_killed_run_resumes_without_repeating_or_losing_a_record(tmp_path: Pat
             time.sleep(0.01)
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
-        finished_before = {json.loads(line)["record"]["id"]
-                           for f in (tmp_path / "run" / "generations").glob("*.jsonl")
-                           for line in f.read_text().splitlines() if line.strip() and "record" in json.loads(line)}
+        finished_before = {record["id"] for f in (tmp_path / "run" / "generations").glob("*.partial.jsonl")
+                           for line in f.read_text().splitlines() if line.strip()
+                           for record in json.loads(line).get("records", [])}
         finished_before |= {r["id"] for ref in refs if store.exists(artifact_path("generations", ref.index))
                             for r in store.read_jsonl(artifact_path("generations", ref.index))}
         sent_before = server.log.requests
@@ -191,3 +191,14 @@ def test_a_killed_run_resumes_without_repeating_or_losing_a_record(tmp_path: Pat
     for ref in refs:
         for record in store.read_jsonl(artifact_path("generations", ref.index)):
             assert record["reasoning"] == expected_reasoning(record["messages"][-1]["content"])
+
+
+def test_n_samples_per_prompt_give_distinct_records_from_one_request_each(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 1, 4)
+    gen = GenerationSettings("scripted-model", QWEN3, GenerationConfig(max_tokens=64, n=3), "t")
+    with ScriptedServer(Script()) as server:
+        [ref] = run_generation(store, refs, [server.url], gen=gen)
+        assert server.log.requests == 4 and server.log.bodies[0]["n"] == 3
+    ids = [r["id"] for r in store.read_jsonl(ref.path)]
+    assert ids == [f"p0-{i}:{k}" for i in range(4) for k in range(3)]
