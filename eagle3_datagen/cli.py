@@ -32,6 +32,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return _print_summary(run_demo(Path(args.output_uri)))
 
 
+def cmd_rerun_failed(args: argparse.Namespace) -> int:
+    from eagle3_datagen.config import parse_config
+    from eagle3_datagen.storage import RunStore
+
+    store = RunStore.at(args.run)
+    if not store.exists("manifest.json"):
+        from eagle3_datagen.config import ConfigError
+
+        raise ConfigError(f"{args.run} has no manifest.json: pass the run folder, e.g. runs/demo")
+    config = parse_config(store.read_json("manifest.json")["config"], args.set)
+    return _print_summary(_run(config))
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from eagle3_datagen.storage import RunStore
+    from tasks.verify import verify_run
+
+    result = verify_run(RunStore.at(args.run))
+    print(f"rows {result.rows} = accepted {result.accepted} + rejected {result.rejected} + quarantined "
+          f"{result.quarantined} + pending {result.pending}")
+    for problem in result.problems:
+        print(f"problem: {problem}")
+    print("invariant holds" if not result.problems else f"{len(result.problems)} problems")
+    return 0 if not result.problems else 1
+
+
 def cmd_probe_tokenizer(args: argparse.Namespace) -> int:
     from eagle3_datagen.profiles import BUILTIN_PROFILES
     from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
@@ -62,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run everything on the embedded tiny model and demo questions")
     demo.add_argument("--output-uri", default="runs", help="where the demo run is written (default ./runs)")
     demo.set_defaults(func=cmd_demo)
+    rerun = commands.add_parser("rerun-failed", help="run a run again from its manifest: only unfinished shards work")
+    rerun.add_argument("run", help="the run folder, e.g. runs/demo or s3://bucket/prefix/run")
+    rerun.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a key of the recorded config (e.g. server.endpoints=[...])")
+    rerun.set_defaults(func=cmd_rerun_failed)
+    verify = commands.add_parser("verify", help="check a run's invariant: every row accepted once or rejected")
+    verify.add_argument("run", help="the run folder")
+    verify.set_defaults(func=cmd_verify)
     probe = commands.add_parser("probe-tokenizer", help="find and prove a tokenizer's think-token ids")
     probe.add_argument("tokenizer", help="tokenizer folder or hub id")
     probe.add_argument("--profile", default="kimi-k2.5", choices=sorted(BUILTIN_PROFILES))

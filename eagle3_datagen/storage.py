@@ -30,6 +30,12 @@ class RunStore:
         self.root = posixpath.join(base.rstrip("/"), run_name)
         self.uri = self.fs.unstrip_protocol(self.root) if not self._local else self.root
 
+    @classmethod
+    def at(cls, run_uri: str) -> RunStore:
+        """The store of an existing run given its folder, e.g. `runs/demo` or `s3://bucket/prefix/demo`."""
+        parent, _, name = run_uri.rstrip("/").rpartition("/")
+        return cls(parent or ".", name)
+
     def path(self, rel: str) -> str:
         """Absolute path of `rel` inside the run folder; refuses anything that would escape it."""
         norm = posixpath.normpath(rel)

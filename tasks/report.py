@@ -7,6 +7,7 @@ failed, and `rerun-failed` can trust it.
 from __future__ import annotations
 
 import io
+import json
 import statistics
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -18,7 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen import __version__
-from eagle3_datagen.artifacts import MANIFEST, artifact_path, rejected_path, shard_name
+from eagle3_datagen.artifacts import MANIFEST, artifact_path, rejected_path, sha256_hex, shard_name
 from eagle3_datagen.config import PipelineConfig
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.storage import RunStore
@@ -79,11 +80,13 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
     if not store.exists(generations):
         status["generations"] = {"status": "pending"}
         return status
-    records = store.read_jsonl(generations)
+    data = store.read_bytes(generations)
+    records = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
     rejected = rejected_path("generations", index)
     reasoning_lengths = [_reasoning_tokens(r, end_id) for r in records]
     status["generations"] = {
         "status": "done",
+        "sha256": sha256_hex(data),
         "records": len(records),
         "rejected": len(store.read_jsonl(rejected)) if store.exists(rejected) else 0,
         "reasoning_coverage": sum(bool(r["reasoning"].strip()) for r in records) / max(1, len(records)),
@@ -104,12 +107,13 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
     if report["status"] != "pass" or not store.exists(sequences):
         status["sequences"] = {"status": "skipped" if report["status"] != "pass" else "pending"}
         return status
-    with store.open(sequences) as handle:
-        table = pq.read_table(handle, columns=["num_tokens", "agrees"])
+    data = store.read_bytes(sequences)
+    table = pq.read_table(io.BytesIO(data), columns=["num_tokens", "agrees"])
     agrees = [a for a in table.column("agrees").to_pylist() if a is not None]
     seq_rejected = rejected_path("sequences", index)
     status["sequences"] = {
         "status": "done",
+        "sha256": sha256_hex(data),
         "records": table.num_rows,
         "rejected": len(store.read_jsonl(seq_rejected)) if store.exists(seq_rejected) else 0,
         "tokens": sum(table.column("num_tokens").to_pylist()),
@@ -118,9 +122,11 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
     if hidden_states:
         index_path = artifact_path("hidden_states", index)
         if store.exists(index_path):
-            hs = store.read_json(index_path)
+            data = store.read_bytes(index_path)
+            hs = json.loads(data)
             status["hidden_states"] = {
                 "status": "done",
+                "sha256": sha256_hex(data),
                 "records": sum(p["num_samples"] for p in hs["parts"]),
                 "bytes": sum(p["bytes"] for p in hs["parts"]),
                 "layers": {k: hs[k] for k in hs if "layer" in k or k == "final_state"},
