@@ -1,0 +1,83 @@
+"""The storage layer on a local folder and on a real S3 server (Ceph RGW on loopback, started here)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from eagle3_datagen.storage import RunStore, StoragePathError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real S3 server: a one-node Ceph cluster with a RADOS Gateway (infra/ceph-rgw), credentials in env."""
+    folder = tmp_path_factory.mktemp("ceph")
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": "eagle3test", "AWS_SECRET_ACCESS_KEY": "eagle3testsecret"}
+    started = subprocess.run(["bash", str(REPO / "infra/ceph-rgw/start.sh"), str(folder), "7481"], env=env,
+                             capture_output=True, text=True, timeout=180)
+    try:
+        assert started.returncode == 0, f"Ceph RGW did not start: {started.stderr[-2000:]}"
+        endpoint = started.stdout.strip().splitlines()[-1]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("AWS_ACCESS_KEY_ID", "eagle3test")
+            patch.setenv("AWS_SECRET_ACCESS_KEY", "eagle3testsecret")
+            patch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+            patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+            import s3fs
+
+            s3fs.S3FileSystem.clear_instance_cache()
+            s3fs.S3FileSystem().mkdir("eagle3-test")
+            yield endpoint
+    finally:
+        subprocess.run(["bash", str(REPO / "infra/ceph-rgw/stop.sh"), str(folder)], check=False, timeout=60)
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> RunStore:
+    if request.param == "local":
+        return RunStore(str(tmp_path), "run")
+    request.getfixturevalue("s3_endpoint")
+    return RunStore(f"s3://eagle3-test/{tmp_path.name}", "run")
+
+
+def test_round_trip_listing_and_removal(store: RunStore) -> None:
+    store.write_json("validation/shard-00000.json", {"status": "pass", "text": "ünï ✓"})
+    store.write_jsonl("prompts/shard-00000.jsonl", [{"id": "a"}, {"id": "b"}])
+    store.write_bytes("prompts/shard-00001.jsonl", b'{"id": "c"}\n')
+    assert store.read_json("validation/shard-00000.json") == {"status": "pass", "text": "ünï ✓"}
+    assert [r["id"] for r in store.read_jsonl("prompts/shard-00000.jsonl")] == ["a", "b"]
+    assert store.list("prompts", ".jsonl") == ["prompts/shard-00000.jsonl", "prompts/shard-00001.jsonl"]
+    store.remove("prompts/shard-00001.jsonl")
+    assert not store.exists("prompts/shard-00001.jsonl") and store.list("absent") == []
+
+
+def test_overwrite_is_whole_and_leaves_no_temporary_file(store: RunStore) -> None:
+    store.write_bytes("generations/shard-00000.jsonl", b"old\n" * 1000)
+    store.write_bytes("generations/shard-00000.jsonl", b"new\n")
+    assert store.read_bytes("generations/shard-00000.jsonl") == b"new\n"
+    assert store.list("generations") == ["generations/shard-00000.jsonl"]
+
+
+def test_large_streamed_write_reads_back(store: RunStore) -> None:
+    payload = os.urandom(1 << 20) * 12  # 12 MiB: a multipart upload on S3 with 5 MiB blocks
+    with store.open("hidden_states/shard-00000/part-00000.safetensors", "wb", block_size=5 << 20) as handle:
+        handle.write(payload)
+    assert store.read_bytes("hidden_states/shard-00000/part-00000.safetensors") == payload
+
+
+@pytest.mark.parametrize("bad", ["../other-run/manifest.json", "/etc/passwd", "a/../../b", "..", "a\\..\\b"])
+def test_paths_cannot_leave_the_run_folder(store: RunStore, bad: str) -> None:
+    with pytest.raises(StoragePathError, match="leaves the run folder"):
+        store.write_bytes(bad, b"x")
+
+
+def test_an_existing_run_is_found_from_its_folder(store: RunStore) -> None:
+    store.write_json("manifest.json", {"ok": True})
+    again = RunStore.at(store.uri)
+    assert again.read_json("manifest.json") == {"ok": True} and again.uri == store.uri
