@@ -8,7 +8,7 @@ PIP_QUIET := --quiet --disable-pip-version-check
 export EAGLE3_VLLM_PYTHON := $(abspath $(VLLM_VENV))/bin/python
 export EAGLE3_TINY_MODEL := $(abspath $(TINY_MODEL))
 
-.PHONY: setup demo test lint clean
+.PHONY: setup test-services demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,13 +32,19 @@ $(TINY_MODEL)/.built: $(VENV)/.installed eagle3_datagen/tiny_model.py eagle3_dat
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(TINY_MODEL)/.built
 
+# A real S3 server for the tests: Ceph's RADOS Gateway from Debian's packages (infra/ceph-rgw/start.sh).
+test-services:
+	@command -v radosgw >/dev/null && command -v ceph-mon >/dev/null && command -v ceph-osd >/dev/null \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	       radosgw ceph-mon ceph-osd uuid-runtime curl >/dev/null; }
+
 demo: setup
 	$(VENV)/bin/eagle3-datagen demo
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
-test: setup lint
+test: setup test-services lint
 	$(VENV)/bin/python -m pytest -q -ra
 
 clean:
