@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -12,13 +13,23 @@ from eagle3_datagen.config import PipelineConfig
 from eagle3_datagen.storage import RunStore
 
 
-def result_storage_for(config: PipelineConfig) -> Path | None:
-    """Prefect task results (the cache) live beside the run's artifacts when the run is on local disk.
+def result_storage_for(config: PipelineConfig) -> Any:
+    """Prefect task results (the cache) live beside the run's artifacts, on local disk or in object storage.
 
-    Deleting a run folder then deletes its cache too, so a cache hit never points at missing artifacts.
+    Deleting a run folder then deletes its cache too, so a cache hit never points at missing artifacts. For
+    object storage the block is saved with no credentials in its settings: s3fs reads them from the
+    environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL_S3).
     """
-    local = RunStore(config.output_uri, config.run_name).local_path(".prefect-results")
-    return Path(local) if local else None
+    store = RunStore(config.output_uri, config.run_name)
+    local = store.local_path(".prefect-results")
+    if local:
+        return Path(local)
+    from prefect.filesystems import RemoteFileSystem
+
+    block = RemoteFileSystem(basepath=f"{store.uri}/.prefect-results")
+    name = "eagle3-results-" + hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+    block.save(name, overwrite=True)
+    return RemoteFileSystem.load(name)
 
 
 BOOKKEEPING_TASKS = ("start-run", "finish-run")
@@ -52,8 +63,7 @@ def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     """Run the flow; returns the run summary plus one line per stage (task states and time)."""
     from flows.pipeline import pipeline
 
-    storage = result_storage_for(config)
-    flow = pipeline.with_options(result_storage=storage) if storage else pipeline
+    flow = pipeline.with_options(result_storage=result_storage_for(config))
     state = flow(config, return_state=True)
     flow_run_id = state.state_details.flow_run_id
     stages = asyncio.run(_stage_lines(flow_run_id)) if flow_run_id else []

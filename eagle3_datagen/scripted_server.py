@@ -2,14 +2,21 @@
 current vLLM no longer sends (`reasoning_content` only, both fields, inline tags, gpt-oss channels).
 
 Not a model: the answer text is derived from the question so tests can check it byte for byte. It keeps its
-own log of requests and of the number in flight, which tests assert against.
+own log of requests and of the number in flight, which tests assert against, and serves its own measurements at
+`GET /stats` so a benchmark in another process can read them. Latencies can follow a log-normal law with a heavy
+tail, drawn per request from the seed by `scripted_latency` so a benchmark can recompute them exactly.
+
+    python -m eagle3_datagen.scripted_server --port 8001 --latency-s 0.5 --latency-sigma 0.5 --tail-rate 0.01
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import math
 import random
+import signal
 import socket
 import threading
 import time
@@ -60,7 +67,10 @@ class Script:
     model: str = "scripted-model"
     shape: str = "reasoning"
     return_token_ids: bool = True
-    latency_s: float = 0.0
+    latency_s: float = 0.0  # every request's latency, or the median when latency_sigma or tail_rate is set
+    latency_sigma: float = 0.0  # log-normal sigma around latency_s (0: fixed)
+    tail_rate: float = 0.0  # fraction of requests that take tail_factor × latency_s (the heavy tail)
+    tail_factor: float = 50.0
     slow_s: float = 30.0
     faults: list[str] = field(default_factory=list)  # what the next requests get, in order (see FAULTS)
     fault_rate: float = 0.0  # chance that any other request gets a random fault
@@ -71,14 +81,69 @@ class Script:
     tokenizer: Any = None  # a HF tokenizer: token ids become real encodings of the prompt and the completion
 
 
+def scripted_latency(script: Script, index: int) -> float:
+    """The latency of the index-th request (0-based, in arrival order): a pure function of the script and index.
+
+    Each draw is seeded by (seed, index) alone, so a benchmark recomputes the exact latencies the server slept
+    for (and the ideal run time they allow) from the request count the server reports.
+    """
+    if not script.latency_sigma and not script.tail_rate:
+        return script.latency_s
+    draw = random.Random(f"{script.seed}:{index}")  # str seeds are hashed with SHA-512: stable across processes
+    if draw.random() < script.tail_rate:
+        return script.latency_s * script.tail_factor
+    return script.latency_s * math.exp(draw.gauss(0.0, script.latency_sigma))
+
+
 @dataclass
 class Log:
+    """What the server saw. `bodies` and `in_flight_samples` grow with every request: None stops keeping them."""
+
     requests: int = 0
     faults: int = 0
     in_flight: int = 0
     max_in_flight: int = 0
-    bodies: list[dict[str, Any]] = field(default_factory=list)
-    in_flight_samples: list[tuple[float, int]] = field(default_factory=list)
+    bodies: list[dict[str, Any]] | None = field(default_factory=list)
+    in_flight_samples: list[tuple[float, int]] | None = field(default_factory=list)
+    first_request_at: float | None = None  # time.monotonic(): one clock for every process on the machine
+    last_request_at: float | None = None
+    last_response_at: float | None = None
+    scripted_latency_s: float = 0.0  # sum of the latencies slept (fault "slow" excluded)
+    in_flight_area: float = 0.0  # integral of in_flight over time, in request-seconds
+    area_at_last_request: float = 0.0
+    _changed_at: float = field(default=0.0, init=False, repr=False)
+
+    def change(self, now: float, delta: int) -> None:
+        """Account the in-flight count since the last change, then apply delta (+1 arrival, -1 response)."""
+        self.in_flight_area += self.in_flight * (now - self._changed_at)
+        self._changed_at = now
+        self.in_flight += delta
+        if delta > 0:
+            self.first_request_at = now if self.first_request_at is None else self.first_request_at
+            self.last_request_at = now
+            self.area_at_last_request = self.in_flight_area
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        else:
+            self.last_response_at = now
+        if self.in_flight_samples is not None:
+            self.in_flight_samples.append((now, self.in_flight))
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and time-weighted mean in flight, from the first request to the last response and to the last
+        request (after it the client has nothing left to send, so only the slowest requests remain)."""
+        def mean(area: float, end: float | None) -> float:
+            if self.first_request_at is None or end is None or end <= self.first_request_at:
+                return 0.0
+            return area / (end - self.first_request_at)
+
+        return {
+            "requests": self.requests, "faults": self.faults, "in_flight": self.in_flight,
+            "max_in_flight": self.max_in_flight, "first_request_at": self.first_request_at,
+            "last_request_at": self.last_request_at, "last_response_at": self.last_response_at,
+            "scripted_latency_s": self.scripted_latency_s, "in_flight_area": self.in_flight_area,
+            "mean_in_flight": mean(self.in_flight_area, self.last_response_at),
+            "mean_in_flight_to_last_request": mean(self.area_at_last_request, self.last_request_at),
+        }
 
 
 def _message(question: str, body: dict[str, Any], script: Script) -> dict[str, Any]:
@@ -99,11 +164,14 @@ def _message(question: str, body: dict[str, Any], script: Script) -> dict[str, A
 
 
 class ScriptedServer:
-    """Runs the app with uvicorn in a background thread on a free loopback port."""
+    """Runs the app with uvicorn in a background thread on a free loopback port.
 
-    def __init__(self, script: Script | None = None, port: int | None = None) -> None:
+    keep_log=False keeps no bodies or in-flight samples, so a long benchmark run stays at constant memory.
+    """
+
+    def __init__(self, script: Script | None = None, port: int | None = None, keep_log: bool = True) -> None:
         self.script = script or Script()
-        self.log = Log()
+        self.log = Log() if keep_log else Log(bodies=None, in_flight_samples=None)
         self._lock = threading.Lock()
         self._random = random.Random(self.script.seed)
         self.port = port or _free_port()
@@ -111,6 +179,7 @@ class ScriptedServer:
         app = Starlette(routes=[
             Route("/health", self._health),
             Route("/v1/models", self._models),
+            Route("/stats", self._stats),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
         ])
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
@@ -136,6 +205,10 @@ class ScriptedServer:
     async def _models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [{"id": self.script.model, "object": "model"}]})
 
+    async def _stats(self, request: Request) -> Response:
+        with self._lock:
+            return JSONResponse(self.log.stats())
+
     def _next_fault(self) -> str:
         if self.script.faults:
             return self.script.faults.pop(0)
@@ -146,15 +219,16 @@ class ScriptedServer:
     async def _chat(self, request: Request) -> Response:
         body = await request.json()
         with self._lock:
+            latency = scripted_latency(self.script, self.log.requests)
             self.log.requests += 1
-            self.log.bodies.append(body)
+            if self.log.bodies is not None:
+                self.log.bodies.append(body)
             fault = self._next_fault()
             self.log.faults += fault != "ok"
-            self.log.in_flight += 1
-            self.log.max_in_flight = max(self.log.max_in_flight, self.log.in_flight)
-            self.log.in_flight_samples.append((time.monotonic(), self.log.in_flight))
+            self.log.scripted_latency_s += latency if fault != "slow" else 0.0
+            self.log.change(time.monotonic(), +1)
         try:
-            await asyncio.sleep(self.script.slow_s if fault == "slow" else self.script.latency_s)
+            await asyncio.sleep(self.script.slow_s if fault == "slow" else latency)
             if fault.startswith("http-"):
                 status = int(fault.removeprefix("http-"))
                 return JSONResponse({"error": {"message": f"scripted failure {status}", "code": status}},
@@ -173,19 +247,19 @@ class ScriptedServer:
             return JSONResponse(payload)
         finally:
             with self._lock:
-                self.log.in_flight -= 1
-                self.log.in_flight_samples.append((time.monotonic(), self.log.in_flight))
+                self.log.change(time.monotonic(), -1)
 
     def _token_ids(self, body: dict[str, Any], message: dict[str, Any]) -> tuple[list[int], list[int]]:
-        """Real ids when a tokenizer is scripted (the model writes the start tag), else placeholders."""
+        """Real ids when a tokenizer is scripted (the start tag is generated unless the prompt ends with it)."""
         tok = self.script.tokenizer
         if tok is None:
             return list(range(8)), list(range(100, 116))
         prompt = tok.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True,
                                          **(body.get("chat_template_kwargs") or {}))
         reasoning = message.get("reasoning") or message.get("reasoning_content")
+        start = "" if prompt.rstrip().endswith(self.script.think_start) else self.script.think_start
         completion = message["content"] if reasoning is None else (
-            f"{self.script.think_start}{reasoning}{self.script.think_end}{message['content']}")
+            f"{start}{reasoning}{self.script.think_end}{message['content']}")
         encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         return encode(prompt), encode(completion + self.script.end_of_turn)
 
@@ -235,3 +309,27 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, in its own process so a client's CPU time excludes the server's."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=0, help="loopback port (0: a free one)")
+    parser.add_argument("--latency-s", type=float, default=0.0, help="median latency")
+    parser.add_argument("--latency-sigma", type=float, default=0.0, help="log-normal sigma (0: fixed latency)")
+    parser.add_argument("--tail-rate", type=float, default=0.0, help="fraction of requests in the heavy tail")
+    parser.add_argument("--tail-factor", type=float, default=50.0, help="tail latency ÷ median")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    script = Script(latency_s=args.latency_s, latency_sigma=args.latency_sigma, tail_rate=args.tail_rate,
+                    tail_factor=args.tail_factor, seed=args.seed)
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    with ScriptedServer(script, port=args.port or None, keep_log=False) as server:
+        print(server.url, flush=True)  # the line a parent process waits for: the server is accepting
+        stop.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -81,3 +81,39 @@ def test_an_existing_run_is_found_from_its_folder(store: RunStore) -> None:
     store.write_json("manifest.json", {"ok": True})
     again = RunStore.at(store.uri)
     assert again.read_json("manifest.json") == {"ok": True} and again.uri == store.uri
+
+
+KIMI_DIR = REPO.parent / "shared" / "tokenizers" / "kimi-k2.5"
+
+
+@pytest.mark.skipif(not KIMI_DIR.is_dir(), reason="../shared/tokenizers/kimi-k2.5 is absent")
+def test_a_run_on_s3_writes_every_artifact_and_its_cache_there(s3_endpoint: str, tmp_path: Path) -> None:
+    from prefect.testing.utilities import prefect_test_harness
+
+    from eagle3_datagen.config import parse_config
+    from eagle3_datagen.runner import run_pipeline
+    from eagle3_datagen.scripted_server import Script, ScriptedServer
+    from eagle3_datagen.think_tokens import load_tokenizer
+
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(f'{{"messages": [{{"role": "user", "content": "question {i}"}}]}}\n' for i in range(6)))
+    with prefect_test_harness(server_startup_timeout=120), \
+            ScriptedServer(Script(model="kimi", tokenizer=load_tokenizer(str(KIMI_DIR)))) as server:
+        config = parse_config({
+            "run_name": "s3run", "output_uri": "s3://eagle3-test/runs",
+            "data": {"source": str(data), "shard_size": 4},
+            "model": {"name": "kimi", "profile": "kimi-k2.5", "tokenizer": str(KIMI_DIR)},
+            "server": {"endpoints": [server.url]}, "hidden_states": {"backend": "none"},
+        })
+        run_pipeline(config)
+        requests = server.log.requests
+        second = run_pipeline(config)
+        assert server.log.requests == requests
+    assert any("work tasks cached" in line for line in second["stages"])
+    store = RunStore.at("s3://eagle3-test/runs/s3run")
+    assert store.read_json("manifest.json")["status"] == "completed"
+    assert store.list("sequences", ".parquet") == ["sequences/shard-00000.parquet", "sequences/shard-00001.parquet"]
+    assert store.list(".prefect-results"), "the task cache lives in the run's own storage"
+    from tasks.verify import verify_run
+
+    assert verify_run(store).problems == []
