@@ -1,0 +1,168 @@
+"""The whole flow through Prefect, against an OpenAI-protocol server that tokenizes with the tiny model's
+tokenizer: every stage, the cache, the one-line errors, and secrets kept out of every artifact.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle3_datagen.cli import main
+from eagle3_datagen.config import PipelineConfig, parse_config
+from eagle3_datagen.demo import DEMO_MODEL_NAME, demo_questions
+from eagle3_datagen.runner import run_pipeline
+from eagle3_datagen.scripted_server import Script, ScriptedServer
+from eagle3_datagen.think_tokens import load_tokenizer
+from tasks.health import ServerCheckFailed
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_api() -> Iterator[None]:
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def server(tiny_model: Path) -> Iterator[ScriptedServer]:
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)))) as running:
+        yield running
+
+
+def config(tiny_model: Path, url: str, output: Path, **changes: Any) -> PipelineConfig:
+    tree: dict[str, Any] = {
+        "run_name": "flow",
+        "output_uri": str(output),
+        "data": {"source": str(demo_questions()), "shard_size": 16, "limit": 24},
+        "model": {"name": DEMO_MODEL_NAME, "profile": "qwen3", "tokenizer": str(tiny_model)},
+        "server": {"endpoints": [url], "max_in_flight": 8, "startup_timeout_s": 10},
+        "hidden_states": {"model": str(tiny_model), "dtype": "float32", "part_size_bytes": 200_000},
+    }
+    for dotted, value in changes.items():
+        section, key = dotted.split("__")
+        tree.setdefault(section, {})[key] = value
+    return parse_config(tree)
+
+
+def test_every_stage_runs_and_a_second_run_is_all_cached(tiny_model: Path, server: ScriptedServer,
+                                                         tmp_path: Path) -> None:
+    first = run_pipeline(config(tiny_model, server.url, tmp_path))
+    run = tmp_path / "flow"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "completed"
+    assert manifest["totals"]["input rows"] == 24 and manifest["totals"]["rejected"] == 0
+    assert manifest["think_tokens"]["template_writes_start_tag"] is False
+    assert [p["reasoning_field"] for p in manifest["probe"]] == ["reasoning"]
+    shard = manifest["shards"]["shard-00000"]
+    assert shard["sequences"]["text_rebuild_agreement"] == 1.0
+    assert shard["generations"]["reasoning_coverage"] == 1.0
+
+    hf_config = json.loads((tiny_model / "config.json").read_text())
+    hidden, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
+    index = json.loads((run / "hidden_states" / "shard-00000" / "index.json").read_text())
+    assert index["aux_layers"] == {"input_to_layer": [2, layers // 2, layers - 3],
+                                   "output_of_layer": [1, layers // 2 - 1, layers - 4]}
+    assert len(index["parts"]) > 1, "a shard larger than part_size_bytes is split"
+    part = load_file(run / "hidden_states" / "shard-00000" / index["parts"][0]["file"])
+    tokens = part["input_ids"].shape[0]
+    assert part["aux_hidden_states"].shape == (tokens, 3 * hidden)
+    assert part["final_hidden_states"].shape == (tokens, hidden)
+    assert part["aux_hidden_states"].dtype == torch.float32 and int(part["offsets"][-1]) == tokens
+
+    requests = server.log.requests
+    second = run_pipeline(config(tiny_model, server.url, tmp_path))
+    assert server.log.requests == requests, "a cached run sent requests"
+    assert any("work tasks cached" in line for line in second["stages"])
+    assert second["totals"] == first["totals"]
+
+
+def test_changing_a_later_stage_reruns_only_that_stage(tiny_model: Path, server: ScriptedServer,
+                                                       tmp_path: Path) -> None:
+    run_pipeline(config(tiny_model, server.url, tmp_path, hidden_states__backend="none"))
+    requests = server.log.requests
+    summary = run_pipeline(config(tiny_model, server.url, tmp_path, hidden_states__backend="none",
+                                  sequences__supervise_template_start_tag=True))
+    assert server.log.requests == requests
+    states = {line.split()[1]: line for line in summary["stages"] if line.startswith("stage")}
+    assert "Cached" in states["generate"] and "Cached" in states["validate"]
+    assert "Completed" in states["build-sequences"] and "Cached" not in states["build-sequences"]
+
+
+def test_a_probe_failure_stops_the_run_before_any_shard(tiny_model: Path, tmp_path: Path) -> None:
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, shape="inline")) as inline:
+        with pytest.raises(ServerCheckFailed, match="--reasoning-parser qwen3"):
+            run_pipeline(config(tiny_model, inline.url, tmp_path))
+        assert inline.log.requests == 2, "only the probe's requests were sent"
+    assert not (tmp_path / "flow" / "generations").exists()
+
+
+def test_secrets_never_reach_an_artifact(tiny_model: Path, server: ScriptedServer, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = "sk-very-secret-4f1d9c"
+    monkeypatch.setenv("VLLM_API_KEY", secret)
+    run_pipeline(config(tiny_model, server.url, tmp_path, hidden_states__backend="none"))
+    for file in (tmp_path / "flow").rglob("*"):
+        if file.is_file():
+            assert secret.encode() not in file.read_bytes(), f"secret leaked into {file}"
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("run_name: ok\ndata: {source: x}\nmodel: {name: m, profile: qwen3, tokenizer: t}\nbogus: 1\n",
+         "config key bogus: unknown key"),
+        ("run_name: ok\ndata: {source: x, shard_size: many}\nmodel: {name: m, profile: qwen3, tokenizer: t}\n",
+         "config key data.shard_size:"),
+        ("run_name: ../escape\ndata: {source: x}\nmodel: {name: m, profile: qwen3, tokenizer: t}\n",
+         "run_name '../escape' must be"),
+        ("run_name: ok\ndata: {source: x}\nmodel: {name: m, profile: nope, tokenizer: t}\n",
+         "model.profile 'nope' is unknown"),
+        ("run_name: ok\nmodel: {name: m, profile: qwen3, tokenizer: t}\n", "config key data: Field required"),
+        ("run_name: [unclosed\n", "is not valid YAML"),
+    ],
+    ids=["unknown-key", "wrong-type", "path-in-run-name", "unknown-profile", "missing-section", "bad-yaml"],
+)
+def test_bad_config_is_one_line_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               yaml_text: str, message: str) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    assert main(["run", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_missing_config_file_and_unreachable_server_are_one_line(tiny_model: Path, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--config", str(tmp_path / "absent.yaml")]) == 2
+    assert "not found: pass --config" in capsys.readouterr().err
+    path = tmp_path / "c.yaml"
+    cfg = config(tiny_model, "http://127.0.0.1:9", tmp_path).model_dump(mode="json")
+    cfg["server"]["startup_timeout_s"] = 1
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did not answer /health within 1s: start the server" in err
+
+
+def test_a_dataset_without_a_prompt_column_is_one_line(tiny_model: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"question": "hi"}\n')
+    cfg = config(tiny_model, "http://127.0.0.1:9", tmp_path).model_dump(mode="json")
+    cfg["data"]["source"] = str(data)
+    import yaml
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    assert main(["run", "--config", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "question" in err and "conversations" in err
