@@ -33,16 +33,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_rerun_failed(args: argparse.Namespace) -> int:
-    from eagle3_datagen.config import parse_config
-    from eagle3_datagen.storage import RunStore
+    from tasks.report import recorded_config
 
-    store = RunStore.at(args.run)
-    if not store.exists("manifest.json"):
-        from eagle3_datagen.config import ConfigError
-
-        raise ConfigError(f"{args.run} has no manifest.json: pass the run folder, e.g. runs/demo")
-    config = parse_config(store.read_json("manifest.json")["config"], args.set)
-    return _print_summary(_run(config))
+    return _print_summary(_run(recorded_config(args.run, args.set)))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

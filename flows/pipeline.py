@@ -8,13 +8,13 @@ from prefect import flow, unmapped
 from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import allow_failure
 
-from eagle3_datagen.config import PipelineConfig
+from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.fingerprints import fingerprint
 from tasks.generation import GenerationSettings, generate, unfinished_shards
 from tasks.health import check_servers
 from tasks.hidden_states import extract_hidden_states
 from tasks.prompts import load_prompts
-from tasks.report import finish_run, start_run
+from tasks.report import finish_run, recorded_config, start_run
 from tasks.sequences import build_sequence_shard
 from tasks.validation import validate_generations
 
@@ -50,3 +50,22 @@ def pipeline(config: PipelineConfig) -> dict[str, Any]:
         config, context, prompts.rows, prompts.rejected, len(prompts.shards),
         wait_for=[allow_failure(f) for f in [*validated, *sequences, *hidden]],
     ).result()
+
+
+@flow(name="eagle3-generation-only", log_prints=True)
+def generation_only(config: PipelineConfig) -> dict[str, Any]:
+    """Everything that needs the generation servers and not the target model: up to the token sequences."""
+    hidden_states = config.hidden_states.model_copy(update={"backend": "none"})
+    return pipeline(config.model_copy(update={"hidden_states": hidden_states}))
+
+
+@flow(name="eagle3-rerun-failed", log_prints=True)
+def rerun_failed(run: str) -> dict[str, Any]:
+    """Run a recorded run again: finished shards are cached or found in storage, only the rest does work."""
+    return pipeline(recorded_config(run))
+
+
+@flow(name="eagle3-extract-only", log_prints=True)
+def extract_only(run: str, hidden_states: HiddenStatesConfig) -> dict[str, Any]:
+    """Hidden states for an existing run's sequences, with new extraction settings; nothing is generated."""
+    return pipeline(recorded_config(run).model_copy(update={"hidden_states": hidden_states}))

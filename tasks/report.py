@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen import __version__
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, rejected_path, sha256_hex, shard_name
-from eagle3_datagen.config import PipelineConfig
+from eagle3_datagen.config import ConfigError, PipelineConfig, parse_config
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
@@ -64,6 +64,14 @@ def start_run(config: PipelineConfig) -> RunContext:
     )
     store.write_json(MANIFEST, manifest)
     return context
+
+
+def recorded_config(run_uri: str, overrides: list[str] | None = None) -> PipelineConfig:
+    """The config a run was started with, from its manifest (for re-runs and extraction-only runs)."""
+    store = RunStore.at(run_uri)
+    if not store.exists(MANIFEST):
+        raise ConfigError(f"{run_uri} has no {MANIFEST}: pass a run folder such as runs/demo or s3://bucket/x/run")
+    return parse_config(store.read_json(MANIFEST)["config"], overrides)
 
 
 def _reasoning_tokens(record: dict[str, Any], end_id: int) -> int:
