@@ -73,7 +73,9 @@ class Script:
     tail_factor: float = 50.0
     slow_s: float = 30.0
     faults: list[str] = field(default_factory=list)  # what the next requests get, in order (see FAULTS)
-    fault_rate: float = 0.0  # chance that any other request gets a random fault
+    fault_rate: float = 0.0  # chance that any other request gets a fault drawn from random_faults
+    random_faults: tuple[str, ...] = RANDOM_FAULTS
+    unavailable_for: str | None = None  # questions containing this text get HTTP 503 (a shard that fails)
     seed: int = 0
     think_start: str = "<think>"
     think_end: str = "</think>"
@@ -182,7 +184,7 @@ class ScriptedServer:
             Route("/stats", self._stats),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
         ])
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
@@ -213,7 +215,7 @@ class ScriptedServer:
         if self.script.faults:
             return self.script.faults.pop(0)
         if self.script.fault_rate and self._random.random() < self.script.fault_rate:
-            return self._random.choice(RANDOM_FAULTS)
+            return self._random.choice(self.script.random_faults)
         return "ok"
 
     async def _chat(self, request: Request) -> Response:
@@ -223,7 +225,9 @@ class ScriptedServer:
             self.log.requests += 1
             if self.log.bodies is not None:
                 self.log.bodies.append(body)
-            fault = self._next_fault()
+            question = body["messages"][-1]["content"]
+            down = self.script.unavailable_for is not None and self.script.unavailable_for in question
+            fault = "http-503" if down else self._next_fault()
             self.log.faults += fault != "ok"
             self.log.scripted_latency_s += latency if fault != "slow" else 0.0
             self.log.change(time.monotonic(), +1)
@@ -237,7 +241,6 @@ class ScriptedServer:
                 return Response('{"choices": [', media_type="application/json")
             if fault == "missing":
                 return JSONResponse({"id": "chatcmpl-scripted", "object": "chat.completion"})
-            question = body["messages"][-1]["content"]
             message = _message(question, body, self.script)
             if body.get("stream"):
                 return StreamingResponse(self._stream(message), media_type="text/event-stream")
