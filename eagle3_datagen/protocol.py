@@ -68,7 +68,6 @@ def build_chat_request(
         "temperature": generation.temperature,
         "top_p": generation.top_p,
         "return_token_ids": True,
-        "skip_special_tokens": False,
         "stream": stream,
     }
     kwargs = dict(profile.chat_template_kwargs if template_kwargs is None else template_kwargs)

@@ -1,0 +1,120 @@
+"""The pipeline against a real vLLM CPU server on the tiny reasoning model: what `make demo` does, checked.
+
+Also the failure modes set up for real: a server without a reasoning parser, thinking switched off, and a
+prompt longer than the model's context (rejected with the server's reason while the run goes on).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file
+
+from eagle3_datagen.config import PipelineConfig, parse_config
+from eagle3_datagen.demo import demo_config
+from eagle3_datagen.runner import run_pipeline
+from eagle3_datagen.think_tokens import load_tokenizer
+from eagle3_datagen.vllm_server import LocalVLLMServer
+from tasks.health import ServerCheckFailed
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_api() -> Iterator[None]:
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def served_config(tiny_model: Path, server: LocalVLLMServer, output: Path, **tree: Any) -> PipelineConfig:
+    base = demo_config(tiny_model, server.url, output).model_dump(mode="json")
+    base["model"]["name"] = server.served_name
+    for section, values in tree.items():
+        base[section] = {**base.get(section, {}), **values} if isinstance(values, dict) else values
+    return parse_config(base)
+
+
+def test_the_demo_job_on_a_real_vllm_server(tiny_model: Path, vllm_server: LocalVLLMServer, tmp_path: Path) -> None:
+    summary = run_pipeline(served_config(tiny_model, vllm_server, tmp_path))
+    run = tmp_path / "demo"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "completed"
+    records = [json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
+               for line in f.read_text().splitlines()]
+    with_both = [r for r in records if r["reasoning"].strip() and (r["content"] or "").strip()]
+    assert len(with_both) >= 0.95 * len(records), f"{len(with_both)}/{len(records)} with reasoning and answer"
+    assert {r["reasoning_source"] for r in records} == {"reasoning"}, "vLLM >= 0.16 sends `reasoning`"
+
+    tokenizer = load_tokenizer(str(tiny_model))
+    start, end = (tokenizer.convert_tokens_to_ids(t) for t in ("<think>", "</think>"))
+    assert manifest["think_tokens"]["start_id"] == start and manifest["think_tokens"]["end_id"] == end
+    for shard in manifest["shards"].values():
+        assert shard["validation"]["rates"]["token_text_mismatch"] == 0.0, "server ids decode to the text"
+        assert shard["sequences"]["text_rebuild_agreement"] >= 0.9
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(run / "sequences" / "shard-00000.parquet").to_pylist()
+    for row in table:
+        masked = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+        assert masked.count(end) <= 1 and masked[0] == start, "the model's own single think ids"
+
+    hf = json.loads((tiny_model / "config.json").read_text())
+    index = json.loads((run / "hidden_states" / "shard-00000" / "index.json").read_text())
+    part = load_file(run / "hidden_states" / "shard-00000" / index["parts"][0]["file"])
+    tokens = part["input_ids"].shape[0]
+    assert part["aux_hidden_states"].shape == (tokens, 3 * hf["hidden_size"])
+    assert part["final_hidden_states"].shape == (tokens, hf["hidden_size"])
+
+    second = run_pipeline(served_config(tiny_model, vllm_server, tmp_path))
+    assert any("work tasks cached" in line for line in second["stages"])
+    assert second["totals"] == summary["totals"]
+
+
+def test_a_prompt_longer_than_the_context_is_rejected_and_the_run_goes_on(
+        tiny_model: Path, vllm_server: LocalVLLMServer, tmp_path: Path) -> None:
+    data = tmp_path / "long.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "What is two plus two?"}]},
+            {"messages": [{"role": "user", "content": "tell me " * 3000}]},
+            {"messages": [{"role": "user", "content": "Name a color."}]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = served_config(tiny_model, vllm_server, tmp_path, data={"source": str(data), "shard_size": 8},
+                           hidden_states={"backend": "none"})
+    run_pipeline(config)
+    rejected = [json.loads(line) for line in (tmp_path / "demo/rejected/generations-shard-00000.jsonl")
+                .read_text().splitlines()]
+    assert len(rejected) == 1 and "HTTP 400" in rejected[0]["reason"]
+    assert "context" in rejected[0]["reason"] or "max" in rejected[0]["reason"]
+    generated = (tmp_path / "demo/generations/shard-00000.jsonl").read_text().splitlines()
+    assert len(generated) == 2
+
+
+def test_thinking_switched_off_stops_the_run_before_any_shard(tiny_model: Path, vllm_server: LocalVLLMServer,
+                                                              tmp_path: Path) -> None:
+    off = {"reasoning_parser": "qwen3", "chat_template_kwargs": {"enable_thinking": False},
+           "end_of_turn": "<|im_end|>", "template_writes_start_tag": False}
+    config = served_config(tiny_model, vllm_server, tmp_path, profiles={"qwen3-off": off},
+                           model={"profile": "qwen3-off"})
+    with pytest.raises(ServerCheckFailed, match="thinking is off or the switch is ignored"):
+        run_pipeline(config)
+    assert not (tmp_path / "demo" / "generations").exists()
+
+
+def test_a_server_without_a_reasoning_parser_stops_the_run(tiny_model: Path, tmp_path: Path) -> None:
+    with LocalVLLMServer(tiny_model, served_name="tiny", reasoning_parser=None,
+                         log_path=tmp_path / "no-parser.log") as server:
+        with pytest.raises(ServerCheckFailed, match="no reasoning parser: restart vLLM with --reasoning-parser qwen3"):
+            run_pipeline(served_config(tiny_model, server, tmp_path))
+        allowed = served_config(tiny_model, server, tmp_path, validation={"allow_inline_reasoning": True},
+                                hidden_states={"backend": "none"}, run_name="inline")
+        run_pipeline(allowed)
+    records = [json.loads(line) for line in (tmp_path / "inline/generations/shard-00000.jsonl")
+               .read_text().splitlines()]
+    inline = [r for r in records if r["reasoning_source"] == "inline"]
+    assert len(inline) >= 0.9 * len(records), "reasoning split out of content here, and marked"
+    assert all("</think>" not in r["content"] and "<think>" not in r["reasoning"] for r in inline)
