@@ -20,6 +20,7 @@ from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, bui
 from eagle3_datagen.storage import RunStore
 
 PROBE_MAX_TOKENS = 256
+PROBE_CANDIDATES = 16  # prompts the probe may try, in order, until probe_requests are answered
 
 
 class ServerCheckFailed(RuntimeError):
@@ -125,15 +126,21 @@ async def check_endpoint(
         served = await client.served_models()
         check_served_model(endpoint, served, model)
         max_tokens = min(generation.max_tokens, PROBE_MAX_TOKENS)
-        bodies = [
-            build_chat_request(model, messages, profile, generation, max_tokens=max_tokens)
-            for messages in probe_prompts[: validation.probe_requests]
-        ]
-        try:
-            results = await asyncio.gather(*(client.chat(body, profile) for body in bodies))
-        except RequestFailed as error:
-            raise ServerCheckFailed(f"probe request to {endpoint} failed: {error}") from None
-        return diagnose(endpoint, served, [r[0] for r in results], profile, validation.allow_inline_reasoning)
+        completions: list[Completion] = []
+        refused: list[str] = []
+        for messages in probe_prompts:  # a prompt the server refuses (too long, say) is not a server fault
+            body = build_chat_request(model, messages, profile, generation, max_tokens=max_tokens)
+            try:
+                completions.append((await client.chat(body, profile))[0])
+            except RequestFailed as error:
+                if error.retryable:
+                    raise ServerCheckFailed(f"probe request to {endpoint} failed: {error}") from None
+                refused.append(str(error))
+            if len(completions) == validation.probe_requests:
+                break
+        if not completions:
+            raise ServerCheckFailed(f"{endpoint} refused every probe request: {refused[-1] if refused else 'none'}")
+        return diagnose(endpoint, served, completions, profile, validation.allow_inline_reasoning)
 
 
 async def check_servers_async(
@@ -170,7 +177,7 @@ def check_servers(
     The probe sends the run's first prompts with the run's own settings, so it tests what generation will do.
     """
     store = RunStore(output_uri, run_name)
-    prompts = [record["messages"] for record in store.read_jsonl(probe_shard.path)[: validation.probe_requests]]
+    prompts = [record["messages"] for record in store.read_jsonl(probe_shard.path)[:PROBE_CANDIDATES]]
     findings = asyncio.run(check_servers_async(model, profile, server, generation, validation, prompts))
     manifest = store.read_json(MANIFEST)
     manifest["probe"] = [asdict(finding) for finding in findings]
