@@ -15,12 +15,13 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.artifacts import aupdate_progress_artifact, create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, sha256_hex
@@ -291,8 +292,13 @@ async def generate_async(
     validation: ValidationConfig,
     log: logging.Logger | logging.LoggerAdapter[Any],
     progress_every_s: float = 5.0,
+    on_progress: Callable[[float], Awaitable[Any]] | None = None,
 ) -> list[ShardRef]:
-    """Generate every unfinished shard; returns the generation ShardRefs in shard order."""
+    """Generate every unfinished shard; returns the generation ShardRefs in shard order.
+
+    Every `progress_every_s` a line with done/total, requests/s, tokens/s, in flight per endpoint and ETA
+    goes to `log`, and the percentage done to `on_progress` (the task shows it as a Prefect artifact).
+    """
     check_settings(store, settings)
     finished: dict[int, ShardRef] = {}
     states: dict[int, _ShardState] = {}
@@ -382,6 +388,8 @@ async def generate_async(
             flights = " ".join(f"{e.url}={e.in_flight}" for e in pool.endpoints)
             log.info("generation %d/%d  %.1f req/s  %.0f tok/s  in flight %s  ETA %.0fs",
                      stats["done"], total, rate, stats["tokens"] / elapsed, flights, eta)
+            if on_progress is not None:
+                await on_progress(100.0 * stats["done"] / total)
 
     workers = [asyncio.create_task(worker()) for _ in range(server.max_in_flight * len(clients))]
     reporter = asyncio.create_task(report_progress())
@@ -420,4 +428,9 @@ def generate(
 ) -> list[ShardRef]:
     """Generate all shards with one shared in-flight budget; resumes from partial logs."""
     store = RunStore(output_uri, run_name)
-    return asyncio.run(generate_async(store, prompt_shards, settings, server, validation, get_run_logger()))
+    artifact = create_progress_artifact(0.0, key="generation-progress", description=f"generation of {run_name}")
+
+    done = asyncio.run(generate_async(store, prompt_shards, settings, server, validation, get_run_logger(),
+                                      on_progress=lambda percent: aupdate_progress_artifact(artifact, percent)))
+    update_progress_artifact(artifact, 100.0)
+    return done

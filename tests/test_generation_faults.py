@@ -202,3 +202,18 @@ def test_n_samples_per_prompt_give_distinct_records_from_one_request_each(tmp_pa
         assert server.log.requests == 4 and server.log.bodies[0]["n"] == 3
     ids = [r["id"] for r in store.read_jsonl(ref.path)]
     assert ids == [f"p0-{i}:{k}" for i in range(4) for k in range(3)]
+
+
+def test_progress_is_reported_while_generating(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 2, 10)
+    seen: list[float] = []
+
+    async def record(percent: float) -> None:
+        seen.append(percent)
+
+    with ScriptedServer(Script(latency_s=0.1)) as server:
+        config = ServerConfig(endpoints=[server.url], max_in_flight=2)
+        asyncio.run(generate_async(store, refs, settings(), config, ValidationConfig(early_abort_after=2),
+                                   logging.getLogger("test"), progress_every_s=0.1, on_progress=record))
+    assert seen and seen == sorted(seen) and 0 < seen[-1] <= 100
