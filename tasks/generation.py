@@ -22,9 +22,9 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import aupdate_progress_artifact, create_progress_artifact, update_progress_artifact
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, sha256_hex
+from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, build_chat_request
@@ -417,7 +417,7 @@ async def generate_async(
     return [finished[r.index] for r in prompt_shards]
 
 
-@task(name="generate", retries=1, persist_result=True, cache_policy=(INPUTS - "server") + TASK_SOURCE)
+@task(name="generate", retries=1, persist_result=True, cache_policy=STAGE_CACHE - "server")
 def generate(
     prompt_shards: list[ShardRef],
     settings: GenerationSettings,

@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import datasets
 from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
+from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
 from eagle3_datagen.storage import RunStore
 
@@ -240,7 +240,7 @@ def _retry_unless_bad_input(task: Any, task_run: Any, state: Any) -> bool:
 
 
 @task(name="load-prompts", retries=1, retry_condition_fn=_retry_unless_bad_input, persist_result=True,
-      cache_policy=INPUTS + TASK_SOURCE)
+      cache_policy=STAGE_CACHE)
 def load_prompts(data: DataConfig, source_fingerprint: str, output_uri: str, run_name: str) -> PromptLoadResult:
     """Prefect task: stage 2 for the run folder `{output_uri}/{run_name}`.
 

@@ -16,10 +16,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 from transformers import PreTrainedTokenizerBase
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, sha256_hex
+from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import SequencesConfig
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunStore
@@ -131,7 +131,7 @@ def to_parquet(sequences: list[Sequence]) -> bytes:
     return buffer.getvalue()
 
 
-@task(name="build-sequences", retries=1, persist_result=True, cache_policy=INPUTS + TASK_SOURCE)
+@task(name="build-sequences", retries=1, persist_result=True, cache_policy=STAGE_CACHE)
 def build_sequence_shard(
     generations: ShardRef,
     profile: ModelProfile,

@@ -12,9 +12,9 @@ from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import INPUTS, TASK_SOURCE
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path
+from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ValidationConfig
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunStore
@@ -112,7 +112,7 @@ def _markdown(run_name: str, report: ShardValidation) -> str:
             f"| check | count | rate |\n|---|---|---|\n{rows}\n")
 
 
-@task(name="validate", retries=0, persist_result=True, cache_policy=INPUTS + TASK_SOURCE)
+@task(name="validate", retries=0, persist_result=True, cache_policy=STAGE_CACHE)
 def validate_generations(
     generations: ShardRef,
     profile: ModelProfile,
