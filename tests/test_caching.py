@@ -6,6 +6,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import tasks.sequences
+import tasks.validation  # noqa: F401
 from eagle3_datagen.caching import code_version
 
 
