@@ -208,8 +208,10 @@ class ScriptedServer:
         return JSONResponse({"object": "list", "data": [{"id": self.script.model, "object": "model"}]})
 
     async def _stats(self, request: Request) -> Response:
+        """The log's measurements, and this process's CPU time: a benchmark tells a saturated server from a slow
+        client with it."""
         with self._lock:
-            return JSONResponse(self.log.stats())
+            return JSONResponse({**self.log.stats(), "process_cpu_s": time.process_time()})
 
     def _next_fault(self) -> str:
         if self.script.faults:

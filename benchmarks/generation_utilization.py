@@ -1,0 +1,332 @@
+"""Does the generation stage keep its in-flight budget full? The real `generate_async` against scripted servers.
+
+Each endpoint is a scripted OpenAI-protocol server in its own process (so the client's CPU time is the client's
+alone) whose latencies are log-normal around a median with a heavy tail (a fraction take 50× the median), drawn
+per request from a seed: the benchmark recomputes the exact latencies the servers slept for, hence the ideal run
+time. Three phases, each on fresh servers (so each sees the same latencies):
+
+  shared     every shard at once, one budget per endpoint shared by all shards (what the stage does);
+  per-shard  shards one after another, each with its own pool (one generate_async call per shard), on the
+             first --per-shard-shards shards, extrapolated to all (shards are independent: each drains alone);
+  cpu        zero server latency: the client's CPU time per request.
+
+Utilization, the run time ÷ the ideal time and the ratio of the two designs are printed, never asserted: speed
+goals are checked by reading this output, not by timed tests.
+
+    .venv/bin/python benchmarks/generation_utilization.py [--requests 20000 --shard-size 500 --budget 256 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import heapq
+import logging
+import pstats
+import resource
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from eagle3_datagen.artifacts import ShardRef, artifact_path
+from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
+from eagle3_datagen.profiles import BUILTIN_PROFILES
+from eagle3_datagen.scripted_server import Script, scripted_latency
+from eagle3_datagen.storage import RunStore
+from tasks.generation import GenerationSettings, generate_async
+
+PROBATION = 1  # ValidationConfig.early_abort_after: the smallest window (the first request runs alone)
+SETTINGS = GenerationSettings("scripted-model", BUILTIN_PROFILES["qwen3"], GenerationConfig(max_tokens=64), "bench")
+LOG = logging.getLogger("benchmark")
+
+
+class Servers:
+    """Scripted servers as subprocesses on free loopback ports; terminated on exit whatever happened."""
+
+    def __init__(self, scripts: list[Script]) -> None:
+        self.scripts = scripts
+        self.procs: list[subprocess.Popen[str]] = []
+        self.urls: list[str] = []
+
+    def __enter__(self) -> Servers:
+        try:
+            for script in self.scripts:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "eagle3_datagen.scripted_server", "--port", "0",
+                     "--latency-s", repr(script.latency_s), "--latency-sigma", repr(script.latency_sigma),
+                     "--tail-rate", repr(script.tail_rate), "--tail-factor", repr(script.tail_factor),
+                     "--seed", str(script.seed)],
+                    stdout=subprocess.PIPE, text=True))
+            for proc in self.procs:
+                assert proc.stdout is not None
+                ready, _, _ = select.select([proc.stdout], [], [], 30)
+                url = proc.stdout.readline().strip() if ready else ""
+                if not url.startswith("http://127.0.0.1:"):
+                    raise RuntimeError(f"scripted server did not start (said {url!r})")
+                self.urls.append(url)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [httpx.get(f"{url}/stats", timeout=10, trust_env=False).json() for url in self.urls]
+
+
+@dataclass
+class Sim:
+    makespan_s: float
+    utilization: float  # first request -> last response
+    dispatch_utilization: float  # first request -> last request sent
+
+
+def simulate(draws: list[list[float]], budget: int, batches: list[int]) -> Sim:
+    """The run time of a client with zero overhead that follows generate_async's policy on the same latencies.
+
+    Each batch (all shards when shared, one shard otherwise) starts with the probation request alone, then
+    every free slot is refilled at once, to the endpoint with the most free slots (ties: the first), which is
+    what `EndpointPool.acquire` picks. Endpoint e's k-th request takes draws[e][k], as on the server.
+    """
+    used = [0] * len(draws)
+    free = [budget] * len(draws)  # every batch starts and ends with every slot free
+    running: list[tuple[float, int]] = []  # (finish, endpoint)
+    spans: list[tuple[float, float]] = []
+    now = 0.0
+
+    def start(at: float) -> None:
+        e = max(range(len(free)), key=free.__getitem__)
+        free[e] -= 1
+        spans.append((at, at + draws[e][used[e]]))
+        heapq.heappush(running, (spans[-1][1], e))
+        used[e] += 1
+
+    for size in batches:
+        sent = min(PROBATION, size)
+        for _ in range(sent):
+            start(now)
+        while running:  # the probation window: nothing else starts until it has finished
+            now, e = heapq.heappop(running)
+            free[e] += 1
+        while sent < size or running:
+            while sent < size and max(free) > 0:
+                start(now)
+                sent += 1
+            now, e = heapq.heappop(running)
+            free[e] += 1
+    capacity = budget * len(draws)
+    last_sent = max(began for began, _ in spans)
+    to_last_sent = sum(min(finish, last_sent) - began for began, finish in spans)
+    return Sim(now, sum(f - s for s, f in spans) / (capacity * now), to_last_sent / (capacity * last_sent or 1.0))
+
+
+def lower_bound(latencies: list[float], capacity: int) -> float:
+    """No schedule of these requests on `capacity` slots ends sooner: the work spread evenly, or the longest one."""
+    return max(sum(latencies) / capacity, max(latencies))
+
+
+def write_prompts(store: RunStore, requests: int, shard_size: int) -> list[ShardRef]:
+    refs = []
+    for index, first in enumerate(range(0, requests, shard_size)):
+        rows = [{"id": f"p{row}", "row": row, "messages": [{"role": "user", "content": f"question {row}"}]}
+                for row in range(first, min(requests, first + shard_size))]
+        store.write_jsonl(artifact_path("prompts", index), rows)
+        refs.append(ShardRef("prompts", index, artifact_path("prompts", index), len(rows), "bench"))
+    return refs
+
+
+def cpu_s() -> float:
+    """User + system CPU of this process only (the servers are other processes)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_generation(store: RunStore, refs: list[ShardRef], urls: list[str], budget: int, timeout_s: float) -> None:
+    server = ServerConfig(endpoints=urls, max_in_flight=budget)
+    run = generate_async(store, refs, SETTINGS, server, ValidationConfig(early_abort_after=PROBATION), LOG)
+    asyncio.run(asyncio.wait_for(run, timeout_s))
+
+
+def utilization(stats: list[dict[str, Any]], budget: int) -> tuple[list[float], float, list[float], float]:
+    """Mean in flight ÷ budget per endpoint and overall, over first request -> last response and -> last request."""
+    window = max(s["last_response_at"] for s in stats) - min(s["first_request_at"] for s in stats)
+    full = sum(s["in_flight_area"] for s in stats) / (budget * len(stats) * window)
+    spans = [s["last_request_at"] - s["first_request_at"] for s in stats]
+    dispatch = sum(s["mean_in_flight_to_last_request"] * span for s, span in zip(stats, spans, strict=True))
+    return ([s["mean_in_flight"] / budget for s in stats], full,
+            [s["mean_in_flight_to_last_request"] / budget for s in stats], dispatch / (budget * sum(spans)))
+
+
+def check_draws(stats: list[dict[str, Any]], draws: list[list[float]], expected: int) -> list[list[float]]:
+    """The latencies each server slept for, recomputed from its request count and checked against its own sum."""
+    served = [d[: s["requests"]] for s, d in zip(stats, draws, strict=True)]
+    for s, latencies in zip(stats, served, strict=True):
+        if s["faults"] or abs(sum(latencies) - s["scripted_latency_s"]) > 1e-6 * max(1.0, s["scripted_latency_s"]):
+            raise RuntimeError(f"server stats disagree with the recomputed latencies: {s}")
+    if sum(s["requests"] for s in stats) != expected:
+        print(f"  note: {sum(s['requests'] for s in stats)} requests for {expected} prompts (retries)")
+    return served
+
+
+def server_cpu(before: list[dict[str, Any]], after: list[dict[str, Any]]) -> float:
+    """CPU seconds the server processes spent between two /stats readings."""
+    return sum(a["process_cpu_s"] - b["process_cpu_s"] for b, a in zip(before, after, strict=True))
+
+
+def fmt(values: list[float]) -> str:
+    return " ".join(f"ep{i} {v:.3f}" for i, v in enumerate(values))
+
+
+def shared_phase(args: argparse.Namespace, scripts: list[Script], draws: list[list[float]], tmp: str) -> float:
+    """Every shard at once on one budget per endpoint; returns the run time."""
+    print("\n[shared] one budget per endpoint for every shard")
+    with Servers(scripts) as servers:
+        store = RunStore(tmp, "shared")
+        refs = write_prompts(store, args.requests, args.shard_size)
+        t0, c0, idle = time.monotonic(), cpu_s(), servers.stats()
+        run_generation(store, refs, servers.urls, args.budget, args.max_run_s)
+        wall, client_cpu = time.monotonic() - t0, cpu_s() - c0
+        stats = servers.stats()
+    served = check_draws(stats, draws, args.requests)
+    full_e, full, disp_e, disp = utilization(stats, args.budget)
+    bound = lower_bound([x for lat in served for x in lat], args.budget * args.endpoints)
+    ideal = simulate(draws, args.budget, [args.requests])
+    print(f"  wall {wall:.1f}s, CPU per request: client {client_cpu / args.requests * 1e3:.2f} ms, servers "
+          f"{server_cpu(idle, stats) / args.requests * 1e3:.2f} ms; max in flight "
+          f"{[s['max_in_flight'] for s in stats]}")
+    print(f"  utilization first request -> last response: {fmt(full_e)}  overall {full:.3f}  "
+          f"(ideal client {ideal.utilization:.3f})")
+    print(f"  utilization first request -> last request sent: {fmt(disp_e)}  overall {disp:.3f}  "
+          f"(ideal client {ideal.dispatch_utilization:.3f}; target >= 0.95)")
+    print(f"  run time ÷ lower bound {wall / bound:.2f} (bound {bound:.1f}s);  run time ÷ ideal client "
+          f"{wall / ideal.makespan_s:.2f} (ideal client {ideal.makespan_s:.1f}s)")
+    return wall
+
+
+def per_shard_phase(args: argparse.Namespace, scripts: list[Script], draws: list[list[float]], sizes: list[int],
+                    tmp: str) -> float:
+    """Shards one after another, each with its own pool; returns the run time extrapolated to every shard."""
+    count = min(len(sizes), args.per_shard_shards or len(sizes))
+    print(f"\n[per-shard] shards one after another, each with its own pool: {count} of {len(sizes)} shards")
+    with Servers(scripts) as servers:
+        store = RunStore(tmp, "per-shard")
+        refs = write_prompts(store, args.requests, args.shard_size)[:count]
+        bounds, before = [], [0] * args.endpoints
+        t0 = time.monotonic()
+        for ref in refs:
+            run_generation(store, [ref], servers.urls, args.budget, args.max_run_s - (time.monotonic() - t0))
+            after = [s["requests"] for s in servers.stats()]
+            served = [x for e, d in enumerate(draws) for x in d[before[e]:after[e]]]
+            bounds.append(lower_bound(served, args.budget * args.endpoints))
+            before = after
+        wall = time.monotonic() - t0
+        stats = servers.stats()
+    check_draws(stats, draws, sum(sizes[:count]))
+    full_e, full, _, _ = utilization(stats, args.budget)
+    ideal = simulate(draws, args.budget, sizes[:count])
+    print(f"  wall {wall:.1f}s for {count} shards -> {wall / count * len(sizes):.1f}s for {len(sizes)} (extrapolated)")
+    print(f"  utilization first request -> last response: {fmt(full_e)}  overall {full:.3f}  "
+          f"(ideal client {ideal.utilization:.3f})")
+    print(f"  run time ÷ lower bound {wall / sum(bounds):.2f} (bound {sum(bounds):.1f}s);  run time ÷ ideal client "
+          f"{wall / ideal.makespan_s:.2f} (ideal client {ideal.makespan_s:.1f}s)")
+    return wall / count * len(sizes)
+
+
+def cpu_phase(args: argparse.Namespace, tmp: str) -> None:
+    """Zero server latency: what one request costs the client, in CPU time."""
+    print(f"\n[cpu] zero server latency, {args.cpu_requests} requests, shared budget")
+    with Servers([Script(seed=e) for e in range(args.endpoints)]) as servers:
+        store = RunStore(tmp, "cpu")
+        refs = write_prompts(store, args.cpu_requests, args.shard_size)
+        t0, c0, idle = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF), servers.stats()
+        run_generation(store, refs, servers.urls, args.budget, args.max_run_s)
+        wall, c1, stats = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_SELF), servers.stats()
+    user, system, n = c1.ru_utime - c0.ru_utime, c1.ru_stime - c0.ru_stime, args.cpu_requests
+    print(f"  client CPU {(user + system) / n * 1e3:.2f} ms/request (user {user / n * 1e3:.2f}, system "
+          f"{system / n * 1e3:.2f}); servers {server_cpu(idle, stats) / n * 1e3:.2f} ms/request; {n / wall:.0f} "
+          f"requests/s, wall {wall:.1f}s")
+
+
+def profile_phase(args: argparse.Namespace, tmp: str) -> None:
+    """The client's hottest functions by CPU time (wall-clock attribution on a shared machine would charge other
+    processes' time to whatever happened to be running)."""
+    print(f"\n[profile] zero server latency, {args.profile} requests under cProfile, in CPU seconds")
+    with Servers([Script(seed=e) for e in range(args.endpoints)]) as servers:
+        store = RunStore(tmp, "profile")
+        refs = write_prompts(store, args.profile, args.shard_size)
+        profiler = cProfile.Profile(time.process_time)
+        profiler.runcall(run_generation, store, refs, servers.urls, args.budget, args.max_run_s)
+    pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(15)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--shard-size", type=int, default=500)
+    parser.add_argument("--budget", type=int, default=256, help="max_in_flight per endpoint")
+    parser.add_argument("--endpoints", type=int, default=2)
+    parser.add_argument("--median-s", type=float, default=1.5, help="median server latency")
+    parser.add_argument("--sigma", type=float, default=0.5, help="log-normal sigma of the latency")
+    parser.add_argument("--tail-rate", type=float, default=0.005, help="fraction taking tail-factor × median")
+    parser.add_argument("--tail-factor", type=float, default=50.0)
+    parser.add_argument("--seed", type=int, default=0, help="endpoint e draws its latencies from seed + e")
+    parser.add_argument("--per-shard-shards", type=int, default=2, help="shards run in the per-shard phase (0: all)")
+    parser.add_argument("--cpu-requests", type=int, default=2000, help="requests of the zero-latency phase")
+    parser.add_argument("--phases", default="shared,per-shard,cpu", help="comma-separated subset to run")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then N zero-latency requests under cProfile: the client's hottest functions")
+    parser.add_argument("--max-run-s", type=float, default=900.0, help="abort a phase that runs longer")
+    args = parser.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # each figure as soon as measured
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers are terminated
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    phases = set(args.phases.split(","))
+    scripts = [Script(latency_s=args.median_s, latency_sigma=args.sigma, tail_rate=args.tail_rate,
+                      tail_factor=args.tail_factor, seed=args.seed + e) for e in range(args.endpoints)]
+    draws = [[scripted_latency(script, k) for k in range(args.requests)] for script in scripts]
+    sizes = [min(args.shard_size, args.requests - first) for first in range(0, args.requests, args.shard_size)]
+    began = time.monotonic()
+    print(f"{args.requests} requests in {len(sizes)} shards of {args.shard_size}, budget {args.budget} per endpoint "
+          f"× {args.endpoints} endpoints = {args.budget * args.endpoints} in flight; latency median {args.median_s}s, "
+          f"log-normal sigma {args.sigma}, {args.tail_rate:.2%} take {args.tail_factor:g}× the median")
+    print(f"probation: early_abort_after={PROBATION}: each generate_async call sends its first request alone and "
+          "waits for it; included in every measured figure and in the simulated ideal client")
+    print("ideal time: lower bound = max(sum of the latencies served ÷ slots, longest latency) (no schedule beats "
+          "it);\n  ideal client = zero-overhead simulation of the same policy on the same latencies (the bound "
+          "plus the\n  unavoidable drain: the slowest requests still running once nothing is left to send)")
+    with tempfile.TemporaryDirectory() as tmp:
+        shared_s = shared_phase(args, scripts, draws, tmp) if "shared" in phases else None
+        if "per-shard" in phases:
+            per_shard_s = per_shard_phase(args, scripts, draws, sizes, tmp)
+            if shared_s is not None:
+                ideal_shared = simulate(draws, args.budget, [args.requests]).makespan_s
+                ideal_per_shard = simulate(draws, args.budget, sizes).makespan_s
+                print(f"\n[per-shard ÷ shared] run time ratio {per_shard_s / shared_s:.1f}× measured (per-shard "
+                      f"extrapolated), {ideal_per_shard / ideal_shared:.1f}× for ideal clients "
+                      f"({ideal_per_shard:.0f}s ÷ {ideal_shared:.0f}s, all {len(sizes)} shards simulated)")
+        if "cpu" in phases:
+            cpu_phase(args, tmp)
+        if args.profile:
+            profile_phase(args, tmp)
+    print(f"\nbenchmark wall time {time.monotonic() - began:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
