@@ -89,8 +89,10 @@ class SequencesConfig(_Section):
 
 
 class HiddenStatesConfig(_Section):
-    backend: Literal["transformers", "none"] = Field(
-        default="transformers", description="`none` skips hidden-state extraction."
+    backend: Literal["transformers", "vllm", "none"] = Field(
+        default="transformers",
+        description="`transformers` loads the target in this process; `vllm` asks an extraction server (targets "
+        "too large for one process, see infra/vllm-gpu/); `none` skips hidden-state extraction.",
     )
     model: str | None = Field(default=None, description="Target model path or id (defaults to model.tokenizer).")
     aux_layers: list[int] | None = Field(
@@ -100,6 +102,27 @@ class HiddenStatesConfig(_Section):
     device_map: str = Field(default="cpu", description="transformers device_map, e.g. `cpu`, `cuda`, `auto`.")
     max_tokens_per_batch: PositiveInt = Field(default=8192, description="Token budget of one forward pass.")
     part_size_bytes: PositiveInt = Field(default=1 << 30, description="Bound on one safetensors part.")
+    endpoint: str | None = Field(
+        default=None, description="vllm backend: base URL of the extraction server (not a generation server)."
+    )
+    shared_path: str | None = Field(
+        default=None,
+        description="vllm backend: this machine's path to the server's shared_storage_path, where it writes one "
+        "file per request; default: the path the server names.",
+    )
+    max_in_flight: PositiveInt = Field(default=8, description="vllm backend: requests in flight to the server.")
+    request_timeout_s: float = Field(default=600.0, gt=0, description="vllm backend: one request (one prefill).")
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http_url(cls, endpoint: str | None) -> str | None:
+        return None if endpoint is None else ServerConfig._http_urls([endpoint])[0]
+
+    @model_validator(mode="after")
+    def _vllm_needs_endpoint(self) -> HiddenStatesConfig:
+        if self.backend == "vllm" and self.endpoint is None:
+            raise ValueError("backend vllm needs hidden_states.endpoint, the extraction server's URL")
+        return self
 
 
 class PipelineConfig(_Section):

@@ -1,4 +1,14 @@
-"""Stage 6: the target model's hidden states for every training sequence (transformers backend).
+"""Stage 6: the target model's hidden states for every training sequence.
+
+Two backends write the same output. `transformers` loads the target in this process and hooks its layers. `vllm`
+asks an extraction server (vLLM with the `extract_hidden_states` speculative method and a hidden-states KV connector,
+see infra/vllm-gpu/) for targets too large for one process: one token-id prompt per sequence with max_tokens=1, and
+the server writes the states to a file on a shared path that this process reads, checks, packs and removes.
+
+Layer ids: "input to layer i" (EAGLE reference, vLLM's `eagle_aux_hidden_state_layer_ids`, speculators) equals
+transformers' `hidden_states[i]` (0 = embeddings); SpecForge/Model-Optimizer name the same tensor "output of layer
+i-1". The index and every part record both. vLLM's id N (the number of decoder layers) is the last layer's output
+BEFORE the final norm; this output's final state is AFTER it, for both backends (see `final_rms_norm`).
 
 Output per shard, under `hidden_states/shard-NNNNN/`:
   part-NNNNN.safetensors  input_ids [T] int32, loss_mask [T] uint8, aux_hidden_states [T, 3H] (the three aux
@@ -10,24 +20,33 @@ Output per shard, under `hidden_states/shard-NNNNN/`:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import json
 import posixpath
-from collections.abc import Callable, Iterator, Sequence
+import re
+from collections import deque
+from collections.abc import Callable, Generator, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path, PurePosixPath
 from typing import Any
 
+import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from prefect import task
-from prefect.cache_policies import INPUTS, TASK_SOURCE
+from safetensors import safe_open
 from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, shard_name
+from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.storage import RunStore
@@ -36,6 +55,9 @@ FORMAT = "eagle3-hidden-states/1"
 FINAL_STATE = "after_norm"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _PART_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states")
+# The final norm's weight in a checkpoint: `model.norm.weight`, or under `language_model.` in multimodal
+# checkpoints such as Kimi-K2.5's.
+_FINAL_NORM_KEY = re.compile(r"^(?:language_model\.)?model\.norm\.weight$")
 
 
 class HiddenStatesError(RuntimeError):
@@ -67,16 +89,30 @@ class Sample:
 
 
 @dataclass(frozen=True)
-class TargetModel:
-    """The target's base model (decoder layers + final norm, no lm_head: logits are never needed here)."""
+class TargetInfo:
+    """What every backend knows of the target: the shapes to check states against, and what the index records."""
 
     path: str
-    base: torch.nn.Module
     num_layers: int
     hidden_size: int
     vocab_size: int
-    dtype: torch.dtype
     fingerprint: str
+
+
+@dataclass(frozen=True)
+class TargetModel(TargetInfo):
+    """The target's base model (decoder layers + final norm, no lm_head: logits are never needed here)."""
+
+    base: torch.nn.Module
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ServedTarget(TargetInfo):
+    """A target that a vLLM server runs: only its config and final norm are read here, never its weights."""
+
+    norm_weight: torch.Tensor  # [H], the final RMSNorm's scale
+    norm_eps: float
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -123,6 +159,95 @@ def load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
         dtype=_DTYPES[dtype],
         fingerprint=fingerprint(path),
     )
+
+
+def vllm_layer_ids(aux_layers: Sequence[int], num_layers: int) -> list[int]:
+    """The server's `eagle_aux_hidden_state_layer_ids`: the aux ids (same convention) plus N, the pre-norm final."""
+    return [*aux_layers, num_layers]
+
+
+def vllm_extraction_args(
+    aux_layers: Sequence[int], num_layers: int, shared_storage_path: str, cpu_connector: bool = False
+) -> list[str]:
+    """The `vllm serve` flags of an extraction server for this backend (infra/vllm-gpu/ has them for a GPU host).
+
+    Prefix caching and chunked prefill off: either one gives a request states for only part of its prompt.
+    `cpu_connector` loads this repo's synchronous connector (repo root on the server's PYTHONPATH) in place of
+    vLLM's stock one, which needs CUDA streams and pinned memory.
+    """
+    layers = {"eagle_aux_hidden_state_layer_ids": vllm_layer_ids(aux_layers, num_layers)}
+    speculative = {
+        "method": "extract_hidden_states",
+        "num_speculative_tokens": 1,
+        "draft_model_config": {"hf_config": layers},
+    }
+    connector: dict[str, Any] = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": shared_storage_path},
+    }
+    if cpu_connector:
+        connector["kv_connector"] = "CPUHiddenStatesConnector"
+        connector["kv_connector_module_path"] = "eagle3_datagen.vllm_cpu_hidden_states_connector"
+    return [
+        *("--speculative-config", json.dumps(speculative)),
+        *("--kv-transfer-config", json.dumps(connector)),
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+    ]
+
+
+@lru_cache(maxsize=1)
+def load_served_target(path: str) -> ServedTarget:
+    """Config and final-norm weight of a local checkpoint folder (a 1 T-parameter one too: one small tensor is read)."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"config key hidden_states.model: {path} is not a local model folder; the vllm backend reads the "
+            "target's config and final-norm weight from its checkpoint"
+        )
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    text = config.get("text_config") or config
+    if str(text.get("model_type", "")).startswith("gemma"):
+        raise HiddenStatesError(f"{path}: Gemma's final norm scales by (1 + weight); final_rms_norm does not")
+    return ServedTarget(
+        path=path,
+        num_layers=int(text["num_hidden_layers"]),
+        hidden_size=int(text["hidden_size"]),
+        vocab_size=int(text["vocab_size"]),
+        fingerprint=fingerprint(path),
+        norm_weight=_final_norm_weight(folder),
+        norm_eps=float(text["rms_norm_eps"]),
+    )
+
+
+def _final_norm_weight(folder: Path) -> torch.Tensor:
+    """The one tensor named like a final norm, found through the sharded index or the safetensors headers."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    else:
+        files = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(file, "pt") as handle:
+                files.update(dict.fromkeys(handle.keys(), file.name))
+    keys = [key for key in files if _FINAL_NORM_KEY.match(key)]
+    if len(keys) != 1:
+        raise HiddenStatesError(f"{folder}: expected one final-norm weight ({_FINAL_NORM_KEY.pattern}), found {keys}")
+    with safe_open(folder / files[keys[0]], "pt") as handle:
+        return handle.get_tensor(keys[0])
+
+
+def final_rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The target's final RMSNorm, computed as transformers does (fp32 statistics, scale in the states' dtype).
+
+    Why here: vLLM captures the final state before the norm, transformers after it. Normalising vLLM's state in the
+    pipeline (one [H] weight from the checkpoint) gives both backends one output, the after-norm state SpecForge
+    trains on and `lm_head` reads, so a trainer never has to know which backend ran.
+    """
+    hidden = states.float()
+    hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(states.dtype) * hidden.to(states.dtype)
 
 
 def plan_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -265,7 +390,41 @@ class _PartWriter:
 def extract_shard(
     store: RunStore, shard_index: int, target: TargetModel, settings: HiddenStatesConfig
 ) -> dict[str, Any]:
-    """Stage 6 for one shard, without Prefect: parts as they fill, then the index; returns the index."""
+    """Stage 6 for one shard with the transformers backend, without Prefect; returns the index."""
+
+    def samples(sequences: list[TokenSequence], aux_layers: list[int]) -> Generator[Sample, None, None]:
+        for batch in plan_batches([len(seq.input_ids) for seq in sequences], settings.max_tokens_per_batch):
+            states = capture_batch(target, aux_layers, [sequences[i].input_ids for i in batch])
+            for i, (aux, final) in zip(batch, states, strict=True):
+                seq = sequences[i]
+                yield Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final)
+
+    return _write_shard(store, shard_index, target, settings, samples)
+
+
+def extract_shard_vllm(
+    store: RunStore, shard_index: int, target: ServedTarget, settings: HiddenStatesConfig
+) -> dict[str, Any]:
+    """Stage 6 for one shard with the vllm backend (settings.endpoint), without Prefect; returns the index."""
+    limits = httpx.Limits(max_connections=settings.max_in_flight)
+    with httpx.Client(base_url=str(settings.endpoint), timeout=settings.request_timeout_s, limits=limits) as client:
+
+        def samples(sequences: list[TokenSequence], aux_layers: list[int]) -> Generator[Sample, None, None]:
+            return served_samples(client, sequences, target, aux_layers, settings)
+
+        return _write_shard(store, shard_index, target, settings, samples)
+
+
+def _write_shard(
+    store: RunStore,
+    shard_index: int,
+    target: TargetInfo,
+    settings: HiddenStatesConfig,
+    samples: Callable[[list[TokenSequence], list[int]], Generator[Sample, None, None]],
+) -> dict[str, Any]:
+    """What both backends share: read the sequences, pack `samples(sequences, aux_layers)` into parts as they come,
+    then write the index.
+    """
     aux_layers = resolve_aux_layers(settings.aux_layers, target.num_layers)
     sequences = read_sequences(store, artifact_path("sequences", shard_index), target.vocab_size)
     folder = f"hidden_states/{shard_name(shard_index)}"
@@ -277,15 +436,14 @@ def extract_shard(
         settings.part_size_bytes,
         {"format": FORMAT, "aux_layers": json.dumps(layer_ids), "final_state": FINAL_STATE},
     )
-    for batch in plan_batches([len(seq.input_ids) for seq in sequences], settings.max_tokens_per_batch):
-        states = capture_batch(target, aux_layers, [sequences[i].input_ids for i in batch])
-        for i, (aux, final) in zip(batch, states, strict=True):
-            seq = sequences[i]
-            writer.add(Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final))
+    with contextlib.closing(samples(sequences, aux_layers)) as stream:  # closed now, also when add() raises
+        for sample in stream:
+            writer.add(sample)
     writer.flush()
     index = {
         "format": FORMAT,
         "shard": shard_index,
+        "backend": settings.backend,
         "num_samples": len(writer.rows),
         "num_tokens": sum(part["num_tokens"] for part in writer.parts),
         "hidden_size": target.hidden_size,
@@ -299,6 +457,122 @@ def extract_shard(
     }
     store.write_json(artifact_path("hidden_states", shard_index), index)
     return index
+
+
+def served_samples(
+    client: httpx.Client,
+    sequences: Sequence[TokenSequence],
+    target: ServedTarget,
+    aux_layers: Sequence[int],
+    settings: HiddenStatesConfig,
+) -> Generator[Sample, None, None]:
+    """Samples in sequence order from the extraction server, max_in_flight requests at a time.
+
+    Each file is removed once read; on an error or an early close the files of requests already sent are
+    waited for and removed too, so a failed shard leaves nothing on the shared path.
+    """
+    dtype = _DTYPES[settings.dtype]
+    pending: deque[tuple[TokenSequence, Future[str]]] = deque()
+    with ThreadPoolExecutor(settings.max_in_flight, thread_name_prefix="hidden-states") as pool:
+        try:
+            for seq in sequences:
+                pending.append((seq, pool.submit(request_state_file, client, seq)))
+                if len(pending) >= settings.max_in_flight:
+                    yield _take_sample(*pending.popleft(), target, aux_layers, dtype, settings.shared_path)
+            while pending:
+                yield _take_sample(*pending.popleft(), target, aux_layers, dtype, settings.shared_path)
+        finally:
+            for _seq, future in pending:
+                if not future.cancel() and future.exception() is None:
+                    with contextlib.suppress(HiddenStatesError):
+                        take_state_file(future.result(), settings.shared_path)
+
+
+def _take_sample(
+    seq: TokenSequence,
+    future: Future[str],
+    target: ServedTarget,
+    aux_layers: Sequence[int],
+    dtype: torch.dtype,
+    shared_path: str | None,
+) -> Sample:
+    """Wait for the request, then read, remove and check its file."""
+    return served_sample(seq, take_state_file(future.result(), shared_path), target, aux_layers, dtype)
+
+
+def request_state_file(client: httpx.Client, seq: TokenSequence) -> str:
+    """One prefill of the sequence's token ids on the extraction server; the path of the file it wrote."""
+    try:
+        response = client.post("/v1/completions", json={"prompt": seq.input_ids.tolist(), "max_tokens": 1})
+    except httpx.TransportError as error:
+        raise HiddenStatesError(f"sample {seq.id!r}: extraction server {client.base_url}: {error!r}") from None
+    if response.status_code != 200:
+        raise HiddenStatesError(
+            f"sample {seq.id!r}: extraction server {client.base_url} answered {response.status_code}: "
+            f"{response.text[:300]}"
+        )
+    path = (response.json().get("kv_transfer_params") or {}).get("hidden_states_path")
+    if not path:
+        raise HiddenStatesError(
+            f"extraction server {client.base_url} names no kv_transfer_params.hidden_states_path: start it with the "
+            "extract_hidden_states speculative config and a hidden-states KV connector (infra/vllm-gpu/README.md)"
+        )
+    return str(path)
+
+
+def take_state_file(server_path: str, shared_path: str | None) -> dict[str, torch.Tensor]:
+    """Read one request's file once the server has finished it, then remove it and its lock.
+
+    The connector takes an exclusive flock on `<file>.lock` before the response leaves and writes the file
+    afterwards; a shared flock waits for that write. `shared_path` maps the server's folder to this machine's.
+    """
+    local = Path(shared_path, PurePosixPath(server_path).name) if shared_path else Path(server_path)
+    lock = local.with_name(f"{local.name}.lock")
+    try:
+        with lock.open("rb") as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            return load_file(local)
+    except FileNotFoundError:
+        raise HiddenStatesError(
+            f"{local} (the server's {server_path}) or its .lock is missing: set hidden_states.shared_path to where "
+            "this machine sees the server's shared_storage_path, and keep the connector's synchronization lock on"
+        ) from None
+    finally:
+        local.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
+
+
+def served_sample(
+    seq: TokenSequence,
+    tensors: dict[str, torch.Tensor],
+    target: ServedTarget,
+    aux_layers: Sequence[int],
+    dtype: torch.dtype,
+) -> Sample:
+    """One connector file as a Sample: token ids checked against the input, final state put through the norm."""
+    token_ids, states = tensors["token_ids"].to(torch.int64), tensors["hidden_states"]
+    input_ids = seq.input_ids.to(torch.int64)
+    if not torch.equal(token_ids, input_ids):
+        where = (
+            f"{len(token_ids)} tokens for a sequence of {len(input_ids)}"
+            if len(token_ids) != len(input_ids)
+            else f"token {int((token_ids != input_ids).nonzero()[0])} differs"
+        )
+        raise HiddenStatesError(
+            f"sample {seq.id!r}: the server's hidden states are not for its input ids ({where}); start the "
+            "extraction server with prefix caching and chunked prefill off"
+        )
+    layer_ids = vllm_layer_ids(aux_layers, target.num_layers)
+    expected = (len(input_ids), len(layer_ids), target.hidden_size)
+    if tuple(states.shape) != expected or states.dtype != dtype:
+        raise HiddenStatesError(
+            f"sample {seq.id!r}: the server's hidden states are {tuple(states.shape)} {states.dtype}, expected "
+            f"{expected} {dtype}: start it with --dtype {str(dtype).removeprefix('torch.')} and "
+            f"eagle_aux_hidden_state_layer_ids {layer_ids}"
+        )
+    aux = states[:, :-1].reshape(len(input_ids), -1)  # [T, 3, H] -> [T, 3H]: the layers side by side, in order
+    final = final_rms_norm(states[:, -1], target.norm_weight, target.norm_eps)
+    return Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final)
 
 
 def read_hidden_state_shard(store: RunStore, index_rel: str) -> Iterator[Sample]:
@@ -322,7 +596,7 @@ def read_hidden_state_shard(store: RunStore, index_rel: str) -> Iterator[Sample]
             yield Sample(sample_id, *(tensors[name][start:end] for name in _PART_TENSORS))
 
 
-@task(name="extract-hidden-states", retries=1, persist_result=True, cache_policy=INPUTS + TASK_SOURCE)
+@task(name="extract-hidden-states", retries=1, persist_result=True, cache_policy=STAGE_CACHE)
 def extract_hidden_states(
     sequences: ShardRef,
     settings: HiddenStatesConfig,
@@ -331,16 +605,19 @@ def extract_hidden_states(
     output_uri: str,
     run_name: str,
 ) -> ShardRef:
-    """Prefect stage 6 for one shard; the target stays loaded across the shards a process runs.
+    """Prefect stage 6 for one shard; a transformers target stays loaded across the shards a process runs.
 
     `target_fingerprint` is part of the cache key: new weights at the same path extract again.
     """
-    if settings.backend != "transformers":
-        raise ConfigError(f"config key hidden_states.backend: {settings.backend!r} extracts nothing")
-    resolve_aux_layers(settings.aux_layers, target_num_layers(target_model))  # before loading any weights
-    target = load_target_model(target_model, settings.dtype, settings.device_map)
     store = RunStore(output_uri, run_name)
-    index = extract_shard(store, sequences.index, target, settings)
+    if settings.backend == "vllm":
+        index = extract_shard_vllm(store, sequences.index, load_served_target(target_model), settings)
+    elif settings.backend == "transformers":
+        resolve_aux_layers(settings.aux_layers, target_num_layers(target_model))  # before loading any weights
+        target = load_target_model(target_model, settings.dtype, settings.device_map)
+        index = extract_shard(store, sequences.index, target, settings)
+    else:
+        raise ConfigError(f"config key hidden_states.backend: {settings.backend!r} extracts nothing")
     rel = artifact_path("hidden_states", sequences.index)
     return ShardRef(
         stage="hidden_states",
