@@ -22,7 +22,7 @@ import pytest
 from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
-from eagle3_datagen.scripted_server import Script, ScriptedServer, expected_reasoning
+from eagle3_datagen.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
 from eagle3_datagen.storage import RunStore
 from tasks.generation import GenerationError, GenerationSettings, generate_async
 
@@ -217,3 +217,28 @@ def test_progress_is_reported_while_generating(tmp_path: Path) -> None:
         asyncio.run(generate_async(store, refs, settings(), config, ValidationConfig(early_abort_after=2),
                                    logging.getLogger("test"), progress_every_s=0.1, on_progress=record))
     assert seen and seen == sorted(seen) and 0 < seen[-1] <= 100
+
+
+def test_early_abort_spends_at_most_n_requests(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "abort")
+    refs = write_prompt_shards(store, 4, 50)
+    with ScriptedServer(Script(shape="none", latency_s=0.01)) as server:
+        with pytest.raises(GenerationError, match="early abort: 8 of the first 8 records have empty reasoning"):
+            run_generation(store, refs, [server.url], budget=32, validation=ValidationConfig(early_abort_after=8))
+        assert server.log.requests == 8
+    partial = tmp_path / "abort" / "generations" / "shard-00000.partial.jsonl"
+    assert len(partial.read_text().splitlines()) == 8, "records already received are kept"
+
+
+def test_every_record_is_captured_byte_for_byte(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "gen")
+    refs = write_prompt_shards(store, 3, 20)
+    with ScriptedServer(Script(latency_s=0.02)) as server:
+        out = run_generation(store, refs, [server.url], budget=8)
+        assert server.log.max_in_flight <= 8 and server.log.requests == 60
+    assert [r.num_records for r in out] == [20, 20, 20]
+    for ref in out:
+        for record in store.read_jsonl(ref.path):
+            question = record["messages"][-1]["content"]
+            assert record["reasoning"] == expected_reasoning(question)
+            assert record["content"] == expected_content(question)

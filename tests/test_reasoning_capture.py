@@ -7,17 +7,13 @@ spends at most N requests.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import pytest
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.protocol import OpenAIClient, build_chat_request
 from eagle3_datagen.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
-from eagle3_datagen.storage import RunStore
-from tasks.generation import GenerationError, GenerationSettings, generate_async
 from tasks.health import ServerCheckFailed, check_servers_async
 
 QWEN3 = BUILTIN_PROFILES["qwen3"]
@@ -100,47 +96,3 @@ def test_unreachable_server_names_the_endpoint_and_the_fix() -> None:
     with pytest.raises(ServerCheckFailed, match=r"http://127.0.0.1:9 did not answer /health .* server.endpoints"):
         asyncio.run(check_servers_async("m", QWEN3, ServerConfig(endpoints=["http://127.0.0.1:9"],
                                         startup_timeout_s=1), GenerationConfig(), ValidationConfig(), []))
-
-
-def _write_prompt_shards(store: RunStore, shards: int, per_shard: int) -> list[ShardRef]:
-    refs = []
-    for index in range(shards):
-        rows = [{"id": f"p{index}-{i}", "row": index * per_shard + i,
-                 "messages": [{"role": "user", "content": f"question {index}-{i}"}]} for i in range(per_shard)]
-        store.write_jsonl(artifact_path("prompts", index), rows)
-        refs.append(ShardRef("prompts", index, artifact_path("prompts", index), per_shard, "x"))
-    return refs
-
-
-def _generate(url: str, store: RunStore, refs: list[ShardRef], budget: int, **validation: object) -> list[ShardRef]:
-    settings = GenerationSettings("scripted-model", QWEN3, GenerationConfig(max_tokens=64), "test")
-    server = ServerConfig(endpoints=[url], max_in_flight=budget, retry_backoff_s=0.01)
-    return asyncio.run(generate_async(store, refs, settings, server, ValidationConfig(**validation),
-                                      logging.getLogger("test")))
-
-
-def test_early_abort_spends_at_most_n_requests(tmp_path) -> None:
-    store = RunStore(str(tmp_path), "abort")
-    refs = _write_prompt_shards(store, shards=4, per_shard=50)
-    with ScriptedServer(Script(shape="none", latency_s=0.01)) as server:
-        with pytest.raises(GenerationError, match="early abort: 8 of the first 8 records have empty reasoning"):
-            _generate(server.url, store, refs, budget=32, early_abort_after=8)
-        assert server.log.requests == 8
-    partial = tmp_path / "abort" / "generations" / "shard-00000.partial.jsonl"
-    assert len(partial.read_text().splitlines()) == 8, "records already received are kept"
-
-
-def test_generation_captures_every_record_and_respects_the_budget(tmp_path) -> None:
-    store = RunStore(str(tmp_path), "gen")
-    refs = _write_prompt_shards(store, shards=3, per_shard=20)
-    with ScriptedServer(Script(latency_s=0.02)) as server:
-        out = _generate(server.url, store, refs, budget=8)
-        assert server.log.max_in_flight <= 8
-        assert server.log.requests == 60
-    assert [r.num_records for r in out] == [20, 20, 20]
-    for ref in out:
-        for record in store.read_jsonl(ref.path):
-            question = record["messages"][-1]["content"]
-            assert record["reasoning"] == expected_reasoning(question)
-            assert record["content"] == expected_content(question)
-            assert record["completion_token_ids"] == list(range(100, 116))
