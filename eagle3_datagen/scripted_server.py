@@ -17,7 +17,6 @@ import json
 import math
 import random
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +27,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from eagle3_datagen.vllm_server import free_port
 
 FAULTS = (
     "ok",
@@ -176,7 +177,7 @@ class ScriptedServer:
         self.log = Log() if keep_log else Log(bodies=None, in_flight_samples=None)
         self._lock = threading.Lock()
         self._random = random.Random(self.script.seed)
-        self.port = port or _free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = Starlette(routes=[
             Route("/health", self._health),
@@ -309,11 +310,6 @@ async def _torn(text: str):  # type: ignore[no-untyped-def]
     yield text[: len(text) // 2]
     raise ConnectionResetError("scripted connection reset")
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> None:

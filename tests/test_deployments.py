@@ -6,7 +6,6 @@ shard running again.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,22 +18,17 @@ import pytest
 from eagle3_datagen.demo import DEMO_MODEL_NAME, demo_questions
 from eagle3_datagen.scripted_server import Script, ScriptedServer
 from eagle3_datagen.think_tokens import load_tokenizer
+from eagle3_datagen.vllm_server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin" / "prefect")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """`prefect server start` (SQLite) on loopback, then a process work pool and the repo's deployments."""
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
     log = (home / "server.log").open("w")
