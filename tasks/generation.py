@@ -251,18 +251,45 @@ def finalize_shard(store: RunStore, state: _ShardState) -> ShardRef:
     return ShardRef("generations", state.ref.index, path, len(records), sha256_hex(data))
 
 
-def finished_shard_ref(store: RunStore, index: int) -> ShardRef | None:
+def finished_shard_ref(store: RunStore, index: int) -> ShardRef:
     path = artifact_path("generations", index)
-    if not store.exists(path):
-        return None
     data = store.read_bytes(path)
     return ShardRef("generations", index, path, data.count(b"\n"), sha256_hex(data))
 
 
+def finished_entries(store: RunStore, index: int, prompts: list[dict[str, Any]]) -> dict[int, dict[str, Any]] | None:
+    """A finished shard's records and rejections, keyed by their prompt's position in the current prompt shard.
+
+    None if the shard was never finished. Fewer entries than prompts means the prompt shard grew (a dataset
+    that gained rows, say): only the new prompts are generated, the finished records are kept.
+    """
+    path = artifact_path("generations", index)
+    if not store.exists(path):
+        return None
+    position = {prompt["id"]: i for i, prompt in enumerate(prompts)}
+    entries: dict[int, dict[str, Any]] = {}
+    for record in store.read_jsonl(path):
+        at = position.get(record["id"].split(":")[0])
+        if at is not None:
+            entries.setdefault(at, {"position": at, "records": []})["records"].append(record)
+    rejected = rejected_path("generations", index)
+    for row in store.read_jsonl(rejected) if store.exists(rejected) else []:
+        at = position.get(row["id"])
+        if at is not None:
+            entries[at] = {"position": at, "rejected": row}
+    return entries
+
+
 def unfinished_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: str) -> list[int]:
-    """Shards whose generations are not finished: the server is needed only if this is non-empty."""
+    """Shards with prompts not yet generated: the server is needed only if this is non-empty."""
     store = RunStore(output_uri, run_name)
-    return [ref.index for ref in prompt_shards if not store.exists(artifact_path("generations", ref.index))]
+    unfinished = []
+    for ref in prompt_shards:
+        prompts = store.read_jsonl(ref.path)
+        done = finished_entries(store, ref.index, prompts)
+        if done is None or len(done) < len(prompts):
+            unfinished.append(ref.index)
+    return unfinished
 
 
 def check_settings(store: RunStore, settings: GenerationSettings) -> None:
@@ -304,13 +331,13 @@ async def generate_async(
     states: dict[int, _ShardState] = {}
     queue: asyncio.Queue[_Item] = asyncio.Queue()
     for ref in prompt_shards:
-        done_ref = finished_shard_ref(store, ref.index)
-        if done_ref is not None:
-            finished[ref.index] = done_ref
-            continue
         prompts = store.read_jsonl(ref.path)
+        previous = finished_entries(store, ref.index, prompts)
+        if previous is not None and len(previous) == len(prompts):
+            finished[ref.index] = finished_shard_ref(store, ref.index)
+            continue
         state = _ShardState(ref, len(prompts), partial_log_path(store, ref.index))
-        state.entries = read_partial_log(state.log_path)
+        state.entries = {**(previous or {}), **read_partial_log(state.log_path)}
         states[ref.index] = state
         for position, prompt in enumerate(prompts):
             if position in state.entries:

@@ -242,3 +242,17 @@ def test_every_record_is_captured_byte_for_byte(tmp_path: Path) -> None:
             question = record["messages"][-1]["content"]
             assert record["reasoning"] == expected_reasoning(question)
             assert record["content"] == expected_content(question)
+
+
+def test_a_grown_dataset_generates_only_the_new_prompts(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    [ref] = write_prompt_shards(store, 1, 6)
+    rows = store.read_jsonl(ref.path)
+    store.write_jsonl(ref.path, rows[:4])  # yesterday's dataset: the shard had 4 prompts
+    with ScriptedServer(Script()) as server:
+        run_generation(store, [ref], [server.url])
+        store.write_jsonl(ref.path, rows)  # tonight: two more prompts landed in the same shard
+        [done] = run_generation(store, [ref], [server.url])
+        asked = [b["messages"][-1]["content"] for b in server.log.bodies]
+    assert asked[4:] == ["question 0-4", "question 0-5"], "finished prompts are not asked again"
+    assert [r["id"] for r in store.read_jsonl(done.path)] == [r["id"] for r in rows]
