@@ -166,3 +166,54 @@ def test_a_dataset_without_a_prompt_column_is_one_line(tiny_model: Path, tmp_pat
     assert main(["run", "--config", str(path)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "question" in err and "conversations" in err
+
+
+def test_a_quarantined_shard_is_kept_marked_and_kept_out(tiny_model: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Empty reasoning in one shard only (past the early-abort window): that shard is quarantined, not trained on."""
+    from eagle3_datagen.storage import RunStore
+    from tasks.prompts import build_prompt_shards
+
+    cfg = config(tiny_model, "http://127.0.0.1:9", tmp_path, hidden_states__backend="none",
+                 validation__early_abort_after=4)
+    store = RunStore(str(tmp_path), "flow")
+    shards = build_prompt_shards(cfg.data, store).shards
+    shard_1 = {r["messages"][-1]["content"] for r in store.read_jsonl(shards[1].path)}
+    original = ScriptedServer._chat
+
+    async def thinking_off_for_shard_1(self: ScriptedServer, request: Any) -> Any:
+        body = await request.json()
+        self.script.shape = "none" if body["messages"][-1]["content"] in shard_1 else "reasoning"
+        return await original(self, request)
+
+    monkeypatch.setattr(ScriptedServer, "_chat", thinking_off_for_shard_1)
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)))) as server:
+        # one request at a time: the scripted shape is switched per request
+        cfg = parse_config({**cfg.model_dump(mode="json"), "server": {"endpoints": [server.url], "max_in_flight": 1}})
+        with pytest.raises(Exception, match="did not finish"):
+            run_pipeline(cfg)
+    run = tmp_path / "flow"
+    report = json.loads((run / "validation" / "shard-00001.json").read_text())
+    assert report["status"] == "quarantine" and "empty_reasoning rate" in report["reasons"][0]
+    assert (run / "generations" / "shard-00001.jsonl").exists(), "its records are kept"
+    assert not (run / "sequences" / "shard-00001.parquet").exists(), "and never reach the training set"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "incomplete"
+    assert manifest["shards"]["shard-00001"]["validation"]["status"] == "quarantine"
+    assert manifest["shards"]["shard-00000"]["sequences"]["status"] == "done"
+    assert (run / "report.md").exists() and (run / "reasoning_lengths.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_rerun_failed_reads_the_manifest_and_redoes_only_what_failed(tiny_model: Path, tmp_path: Path) -> None:
+    script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), unavailable_for="France")
+    with ScriptedServer(script) as server:
+        cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none", server__max_retries=0)
+        with pytest.raises(Exception, match="run again to resume"):
+            run_pipeline(cfg)
+        sent = server.log.requests
+        script.unavailable_for = None
+        assert main(["rerun-failed", str(tmp_path / "flow")]) == 0
+        asked_again = [b["messages"][-1]["content"] for b in server.log.bodies[sent:]]
+    assert [q for q in asked_again if "France" in q] == ["What is the capital of France?"]
+    assert len(asked_again) <= 3, "the probe's two prompts and the one that failed"
+    assert main(["verify", str(tmp_path / "flow")]) == 0
