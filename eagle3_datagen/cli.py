@@ -43,7 +43,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from tasks.verify import verify_run
 
     result = verify_run(RunStore.at(args.run))
-    print(f"rows {result.rows} = accepted {result.accepted} + rejected {result.rejected} + quarantined "
+    print(f"rows {result.rows}: {result.rows - result.rejected_rows} gave prompts, {result.rejected_rows} rejected")
+    print(f"prompts {result.prompts} = accepted {result.accepted} + rejected {result.rejected} + quarantined "
           f"{result.quarantined} + pending {result.pending}")
     for problem in result.problems:
         print(f"problem: {problem}")

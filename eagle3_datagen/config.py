@@ -23,6 +23,11 @@ class DataConfig(_Section):
     split: str = Field(default="train", description="Dataset split to read.")
     limit: PositiveInt | None = Field(default=None, description="Read at most this many rows.")
     shard_size: PositiveInt = Field(default=500, description="Prompts per shard (the unit of storage and re-runs).")
+    turns: Literal["each", "last"] = Field(
+        default="each",
+        description="`each`: one prompt (and training sample) per user turn of a multi-turn row; `last`: only "
+        "the conversation up to its last user turn.",
+    )
     format: Literal["auto", "sharegpt", "openai"] = Field(
         default="auto", description="`sharegpt` (conversations: from/value), `openai` (messages: role/content)."
     )

@@ -125,6 +125,11 @@ def normalize_messages(row: dict[str, Any], fmt: PromptFormat = "auto") -> list[
     return messages
 
 
+def user_turn_prompts(conversation: list[dict[str, str]]) -> list[list[dict[str, str]]]:
+    """One prompt per user turn: the conversation up to and including it (earlier turns are context)."""
+    return [conversation[: i + 1] for i, message in enumerate(conversation) if message["role"] == "user"]
+
+
 def _is_valid_utf8(text: str) -> bool:
     """False for lone surrogates and for U+FFFD, the mark load_rows leaves where a byte was not UTF-8."""
     try:
@@ -146,8 +151,13 @@ def write_prompt_shards(
     shard_size: int,
     fmt: PromptFormat = "auto",
     source: str = "the dataset",
+    turns: str = "each",
 ) -> PromptLoadResult:
     """Normalize rows in input order, write accepted prompts as shards of `shard_size`, log every rejection.
+
+    With `turns="each"` a multi-turn row gives one prompt per user turn (one training sample per assistant
+    turn, each with its own regenerated reasoning); a prompt already seen (a shared first question) is skipped,
+    and a row whose prompts were all seen is rejected as a duplicate.
 
     Raises ValueError when the first row has no prompt column (a wrong dataset, not bad rows) and when no
     row at all was accepted.
@@ -156,26 +166,31 @@ def write_prompt_shards(
     batch: list[dict[str, Any]] = []
     rejections: list[dict[str, Any]] = []
     first_row_of: dict[str, int] = {}
-    read = 0
+    read = accepted = 0
     for index, row in enumerate(rows):
         if index == 0:
             _check_columns(row, fmt, source)
         read += 1
         try:
-            messages = normalize_messages(row, fmt)
+            conversation = normalize_messages(row, fmt)
         except RowRejected as why:
             rejections.append({"row": index, "stage": "prompts", "reason": str(why)})
             continue
-        pid = prompt_id(messages)
-        if pid in first_row_of:
-            reason = f"duplicate of id {pid} (row {first_row_of[pid]})"
-            rejections.append({"row": index, "id": pid, "stage": "prompts", "reason": reason})
+        prompts = user_turn_prompts(conversation) if turns == "each" else [conversation]
+        ids = [prompt_id(messages) for messages in prompts]
+        new = [(turn, pid, messages) for turn, (pid, messages) in enumerate(zip(ids, prompts, strict=True))
+               if pid not in first_row_of]
+        if not new:
+            reason = f"duplicate of id {ids[-1]} (row {first_row_of[ids[-1]]})"
+            rejections.append({"row": index, "id": ids[-1], "stage": "prompts", "reason": reason})
             continue
-        first_row_of[pid] = index
-        batch.append({"id": pid, "messages": messages, "row": index})
-        if len(batch) == shard_size:
-            shards.append(_write_shard(store, len(shards), batch))
-            batch = []
+        accepted += 1
+        for turn, pid, messages in new:
+            first_row_of[pid] = index
+            batch.append({"id": pid, "messages": messages, "row": index, "turn": turn})
+            if len(batch) == shard_size:
+                shards.append(_write_shard(store, len(shards), batch))
+                batch = []
     if batch:
         shards.append(_write_shard(store, len(shards), batch))
     store.write_jsonl(REJECTED_PATH, rejections)
@@ -184,9 +199,9 @@ def write_prompt_shards(
         if stale not in written:
             store.remove(stale)
 
-    result = PromptLoadResult(shards, read, len(first_row_of), len(rejections))
+    result = PromptLoadResult(shards, read, accepted, len(rejections))
     assert result.rows == result.accepted + result.rejected
-    assert sum(ref.num_records for ref in shards) == result.accepted
+    assert sum(ref.num_records for ref in shards) == len(first_row_of)
     if not result.rows:
         raise ValueError(f"{source}: no rows were read; check data.source, data.split and data.limit")
     if not result.accepted:
@@ -217,7 +232,7 @@ def _write_shard(store: RunStore, index: int, records: list[dict[str, Any]]) -> 
 def build_prompt_shards(data: DataConfig, store: RunStore) -> PromptLoadResult:
     """The whole stage for one data config, without Prefect."""
     rows = load_rows(data.source, data.split, data.limit)
-    return write_prompt_shards(rows, store, data.shard_size, data.format, source=data.source)
+    return write_prompt_shards(rows, store, data.shard_size, data.format, source=data.source, turns=data.turns)
 
 
 def read_prompt_shard(store: RunStore, ref: ShardRef) -> list[dict[str, Any]]:

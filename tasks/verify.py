@@ -23,8 +23,10 @@ class Verification:
     """What the check found; `problems` empty means the invariant holds."""
 
     rows: int = 0
+    rejected_rows: int = 0  # by the prompt stage, each with its reason
+    prompts: int = 0  # one per accepted row, or one per user turn of it (data.turns: each)
     accepted: int = 0
-    rejected: int = 0
+    rejected: int = 0  # prompts refused by the server or dropped by the length policy, with reasons
     quarantined: int = 0
     pending: int = 0
     problems: list[str] = field(default_factory=list)
@@ -45,14 +47,15 @@ def verify_run(store: RunStore) -> Verification:
     manifest: dict[str, Any] = store.read_json(MANIFEST)
     result = Verification(rows=manifest.get("totals", {}).get("input rows", 0))
     problems = result.problems
-    prompt_rejections = len(_ids_of_jsonl(store, REJECTED_PATH)) if store.exists(REJECTED_PATH) else 0
-    result.rejected += prompt_rejections
-    accepted_prompts = 0
+    result.rejected_rows = len(store.read_jsonl(REJECTED_PATH)) if store.exists(REJECTED_PATH) else 0
+    accepted_rows: set[int] = set()
     hidden = manifest["config"]["hidden_states"]["backend"] != "none"
     for name, status in manifest.get("shards", {}).items():
         index = int(name.rsplit("-", 1)[1])
-        prompt_ids = _ids_of_jsonl(store, artifact_path("prompts", index))
-        accepted_prompts += len(prompt_ids)
+        prompts = store.read_jsonl(artifact_path("prompts", index))
+        prompt_ids = [prompt["id"] for prompt in prompts]
+        accepted_rows |= {prompt["row"] for prompt in prompts}
+        result.prompts += len(prompt_ids)
         _check_once("prompts", name, prompt_ids, problems)
         for stage in ("generations", "sequences", "hidden_states"):
             recorded = status.get(stage, {}).get("sha256")
@@ -96,11 +99,12 @@ def verify_run(store: RunStore) -> Verification:
             if sorted(final_ids) != sorted(seq_ids):
                 problems.append(f"{name} hidden_states: samples differ from the sequences")
         result.accepted += len({i.split(":")[0] for i in final_ids})
-    if result.rows and accepted_prompts + prompt_rejections != result.rows:
-        problems.append(f"input rows {result.rows} != prompts {accepted_prompts} + rejected {prompt_rejections}")
-    if result.rows and result.accepted + result.rejected + result.quarantined + result.pending != result.rows:
+    if result.rows and len(accepted_rows) + result.rejected_rows != result.rows:
+        problems.append(f"input rows {result.rows} != rows with prompts {len(accepted_rows)} + rejected rows "
+                        f"{result.rejected_rows}")
+    if result.accepted + result.rejected + result.quarantined + result.pending != result.prompts:
         problems.append(
-            f"input rows {result.rows} != accepted {result.accepted} + rejected {result.rejected} + "
+            f"prompts {result.prompts} != accepted {result.accepted} + rejected {result.rejected} + "
             f"quarantined {result.quarantined} + pending {result.pending}"
         )
     return result

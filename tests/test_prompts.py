@@ -76,13 +76,28 @@ def all_records(store: RunStore, result: PromptLoadResult) -> list[dict[str, Any
 @pytest.mark.parametrize("form", [sharegpt, openai])
 def test_both_forms_in_every_file_type_give_the_same_prompt_and_id(tmp_path: Path, suffix: str, form: Any) -> None:
     source = write_rows(tmp_path / f"data{suffix}", [form(*CONVERSATION), form(("user", "Hi <think> there"))])
-    result, store = run(tmp_path, source)
+    result, store = run(tmp_path, source, turns="last")
 
     records = all_records(store, result)
     assert [r["messages"] for r in records] == [EXPECTED_PROMPT, [{"role": "user", "content": "Hi <think> there"}]]
     assert records[0]["id"] == prompt_id(EXPECTED_PROMPT)
     assert [r["row"] for r in records] == [0, 1]
     assert (result.rows, result.accepted, result.rejected) == (2, 2, 0)
+
+
+def test_each_user_turn_of_a_multi_turn_row_is_its_own_prompt(tmp_path: Path) -> None:
+    follow_up = [("user", "What is 2+2?"), ("assistant", "4"), ("user", "And 5+5?")]
+    source = write_rows(tmp_path / "d.jsonl", [sharegpt(*CONVERSATION), sharegpt(*follow_up)])
+    result, store = run(tmp_path, source)
+
+    records = all_records(store, result)
+    turns = [[m["content"] for m in r["messages"]] for r in records]
+    assert turns == [["You are terse.", "What is 2+2?"], ["You are terse.", "What is 2+2?", "4", "And 3+3?"],
+                     ["What is 2+2?"], ["What is 2+2?", "4", "And 5+5?"]]
+    assert [(r["row"], r["turn"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert (result.rows, result.accepted, result.rejected) == (2, 2, 0)
+    again, _ = run(tmp_path / "again", write_rows(tmp_path / "e.jsonl", [sharegpt(*follow_up), sharegpt(*follow_up)]))
+    assert (again.accepted, again.rejected) == (1, 1), "a row whose every turn was seen is a duplicate"
 
 
 def test_a_folder_source_reads_every_data_file_in_name_order(tmp_path: Path) -> None:
@@ -301,7 +316,7 @@ def test_rows_from_any_iterable_keep_the_invariant(tmp_path: Path) -> None:
 
 def test_the_prefect_task_writes_the_run_folder_and_returns_a_picklable_result(tmp_path: Path) -> None:
     source = write_rows(tmp_path / "q.jsonl", [sharegpt(*CONVERSATION), question(1), question(1)])
-    data = DataConfig(source=str(source), shard_size=1)
+    data = DataConfig(source=str(source), shard_size=1, turns="last")
 
     result = load_prompts.fn(data, "fp", str(tmp_path / "runs"), "demo")
 
