@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import json
 import posixpath
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import fsspec
 from fsspec.core import url_to_fs
+
+T = TypeVar("T")
+_BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
 
 
 class StoragePathError(ValueError):
@@ -43,11 +47,24 @@ class RunStore:
             raise StoragePathError(f"storage path {rel!r} leaves the run folder")
         return posixpath.join(self.root, norm)
 
+    def _retrying(self, operation: Callable[[], T]) -> T:
+        """Object stores hiccup (a restarted gateway, a dropped connection): retry with backoff, ~30 s in all."""
+        for attempt in range(len(_BACKOFF_S) + 1):
+            try:
+                return operation()
+            except FileNotFoundError:
+                raise
+            except (OSError, TimeoutError):
+                if self._local or attempt == len(_BACKOFF_S):
+                    raise
+                time.sleep(_BACKOFF_S[attempt])
+        raise AssertionError("unreachable")
+
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
+        return self._retrying(lambda: self.fs.exists(self.path(rel)))
 
     def read_bytes(self, rel: str) -> bytes:
-        return self.fs.cat_file(self.path(rel))
+        return self._retrying(lambda: self.fs.cat_file(self.path(rel)))
 
     def read_text(self, rel: str) -> str:
         return self.read_bytes(rel).decode("utf-8")
@@ -60,7 +77,7 @@ class RunStore:
         target = self.path(rel)
         self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
         if not self._local:
-            self.fs.pipe_file(target, data)
+            self._retrying(lambda: self.fs.pipe_file(target, data))
             return
         tmp = f"{target}.tmp-{uuid.uuid4().hex}"
         with self.fs.open(tmp, "wb") as handle:

@@ -14,10 +14,13 @@ from eagle3_datagen.storage import RunStore, StoragePathError
 REPO = Path(__file__).resolve().parents[1]
 
 
+CEPH: dict[str, Path] = {}
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real S3 server: a one-node Ceph cluster with a RADOS Gateway (infra/ceph-rgw), credentials in env."""
-    folder = tmp_path_factory.mktemp("ceph")
+    folder = CEPH["folder"] = tmp_path_factory.mktemp("ceph")
     env = {**os.environ, "AWS_ACCESS_KEY_ID": "eagle3test", "AWS_SECRET_ACCESS_KEY": "eagle3testsecret"}
     started = subprocess.run(["bash", str(REPO / "infra/ceph-rgw/start.sh"), str(folder), "7481"], env=env,
                              capture_output=True, text=True, timeout=180)
@@ -117,3 +120,30 @@ def test_a_run_on_s3_writes_every_artifact_and_its_cache_there(s3_endpoint: str,
     from tasks.verify import verify_run
 
     assert verify_run(store).problems == []
+
+
+def test_a_restarted_s3_gateway_costs_a_retry_not_an_artifact(s3_endpoint: str, tmp_path: Path) -> None:
+    """The gateway goes down mid-run and comes back: writes wait for it, nothing already written is lost."""
+    import threading
+    import time
+
+    store = RunStore(f"s3://eagle3-test/{tmp_path.name}", "run")
+    store.write_json("manifest.json", {"written": "before the outage"})
+    conf = CEPH["folder"] / "ceph.conf"
+    subprocess.run(["pkill", "-f", f"radosgw -n client.rgw.a -c {conf}"], check=False)
+    time.sleep(1)
+    import httpx
+
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(s3_endpoint, timeout=2)
+
+    def restart() -> None:
+        time.sleep(3)
+        subprocess.run(["radosgw", "-n", "client.rgw.a", "-c", str(conf)], check=True)
+
+    comeback = threading.Thread(target=restart)
+    comeback.start()
+    store.write_json("generations/shard-00000.json", {"written": "during the outage"})
+    comeback.join()
+    assert store.read_json("manifest.json") == {"written": "before the outage"}
+    assert store.read_json("generations/shard-00000.json") == {"written": "during the outage"}
