@@ -63,6 +63,8 @@ def test_the_demo_job_on_a_real_vllm_server(tiny_model: Path, vllm_server: Local
     for row in table:
         masked = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
         assert masked.count(end) <= 1 and masked[0] == start, "the model's own single think ids"
+        assert row["source"] == "server" and (row["agrees"] or row["first_diff"] is not None), \
+            "the text rebuild agrees with the server's ids, or where it does not is recorded"
 
     hf = json.loads((tiny_model / "config.json").read_text())
     index = json.loads((run / "hidden_states" / "shard-00000" / "index.json").read_text())
