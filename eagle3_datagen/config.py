@@ -47,6 +47,10 @@ class ServerConfig(_Section):
     api_key_env: str = Field(
         default="VLLM_API_KEY", description="Environment variable holding the API key (never the key itself)."
     )
+    api_key_secret: str | None = Field(
+        default=None,
+        description="Name of a Prefect Secret block holding the API key, used when the variable is unset.",
+    )
     startup_timeout_s: float = Field(default=600.0, gt=0, description="How long to wait for /health.")
     request_timeout_s: float = Field(default=3600.0, gt=0, description="Per request; reasoning can be long.")
     max_retries: int = Field(default=5, ge=0, description="Retries of a request on 408/429/5xx and dropped links.")

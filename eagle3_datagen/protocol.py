@@ -14,7 +14,8 @@ from typing import Any
 
 import aiohttp
 
-from eagle3_datagen.config import GenerationConfig
+from eagle3_datagen.config import GenerationConfig, ServerConfig
+from eagle3_datagen.errors import register_secret
 from eagle3_datagen.profiles import ModelProfile
 
 REASONING_FIELDS = ("reasoning", "reasoning_content")
@@ -171,6 +172,21 @@ async def parse_chat_stream(lines: AsyncIterator[str], profile: ModelProfile) ->
     return parse_chat_response({**top, "choices": choices}, profile)
 
 
+def api_key(server: ServerConfig) -> str | None:
+    """The endpoints' API key: from `server.api_key_env`, else the Prefect Secret block `server.api_key_secret`.
+
+    The value is registered for redaction, so it never reaches a message, a log line or an artifact.
+    """
+    key = os.environ.get(server.api_key_env)
+    if not key and server.api_key_secret:
+        from prefect.blocks.system import Secret
+
+        key = Secret.load(server.api_key_secret).get()
+    if key:
+        register_secret(key)
+    return key or None
+
+
 class OpenAIClient:
     """A small async client for one vLLM endpoint; the API key comes from the environment only.
 
@@ -179,9 +195,8 @@ class OpenAIClient:
     spends about 1 ms of client CPU per request at any concurrency (benchmarks/generation_utilization.py).
     """
 
-    def __init__(self, base_url: str, api_key_env: str, timeout_s: float, max_connections: int = 64) -> None:
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, max_connections: int = 64) -> None:
         self.base_url = base_url
-        api_key = os.environ.get(api_key_env)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
         self._max_connections = max_connections

@@ -107,6 +107,7 @@ class Log:
     in_flight: int = 0
     max_in_flight: int = 0
     bodies: list[dict[str, Any]] | None = field(default_factory=list)
+    authorizations: list[str] = field(default_factory=list)  # the Authorization header of each kept body
     in_flight_samples: list[tuple[float, int]] | None = field(default_factory=list)
     first_request_at: float | None = None  # time.monotonic(): one clock for every process on the machine
     last_request_at: float | None = None
@@ -228,6 +229,7 @@ class ScriptedServer:
             self.log.requests += 1
             if self.log.bodies is not None:
                 self.log.bodies.append(body)
+                self.log.authorizations.append(request.headers.get("authorization", ""))
             question = body["messages"][-1]["content"]
             down = self.script.unavailable_for is not None and self.script.unavailable_for in question
             fault = "http-503" if down else self._next_fault()

@@ -27,7 +27,7 @@ from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, sha
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import ModelProfile
-from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, build_chat_request
+from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
 from tasks.health import ServerCheckFailed, diagnose
 
@@ -352,8 +352,8 @@ async def generate_async(
     if total == 0:
         return [finished[r.index] for r in prompt_shards]
 
-    clients = [OpenAIClient(url, server.api_key_env, server.request_timeout_s, server.max_in_flight)
-               for url in server.endpoints]
+    key = api_key(server)
+    clients = [OpenAIClient(url, key, server.request_timeout_s, server.max_in_flight) for url in server.endpoints]
     pool = EndpointPool([_Endpoint(c.base_url, c) for c in clients], server.max_in_flight, server.retry_backoff_s)
     gate = ProbationGate(
         min(validation.early_abort_after, total),

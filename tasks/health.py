@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from eagle3_datagen.artifacts import MANIFEST, ShardRef
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import ModelProfile
-from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, build_chat_request
+from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
 
 PROBE_MAX_TOKENS = 256
@@ -121,7 +121,7 @@ async def check_endpoint(
     probe_prompts: list[list[dict[str, str]]],
 ) -> ProbeFinding:
     """Health, served model, then the reasoning probe on one endpoint."""
-    async with OpenAIClient(endpoint, server.api_key_env, server.request_timeout_s) as client:
+    async with OpenAIClient(endpoint, api_key(server), server.request_timeout_s) as client:
         await wait_until_healthy(client, server.startup_timeout_s)
         served = await client.served_models()
         check_served_model(endpoint, served, model)

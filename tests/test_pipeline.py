@@ -103,14 +103,28 @@ def test_a_probe_failure_stops_the_run_before_any_shard(tiny_model: Path, tmp_pa
     assert not (tmp_path / "flow" / "generations").exists()
 
 
-def test_secrets_never_reach_an_artifact(tiny_model: Path, server: ScriptedServer, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    secret = "sk-very-secret-4f1d9c"
-    monkeypatch.setenv("VLLM_API_KEY", secret)
-    run_pipeline(config(tiny_model, server.url, tmp_path, hidden_states__backend="none"))
+@pytest.mark.parametrize("where", ["environment", "secret-block"])
+def test_the_api_key_is_sent_but_never_reaches_an_artifact(tiny_model: Path, server: ScriptedServer, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    from prefect.blocks.system import Secret
+
+    from eagle3_datagen.errors import redact
+
+    secret = f"sk-very-secret-{where}-4f1d9c"
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    if where == "environment":
+        monkeypatch.setenv("VLLM_API_KEY", secret)
+        cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none")
+    else:
+        Secret(value=secret).save("vllm-api-key", overwrite=True)
+        cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none",
+                     server__api_key_secret="vllm-api-key")
+    run_pipeline(cfg)
+    assert server.log.authorizations and set(server.log.authorizations) == {f"Bearer {secret}"}
     for file in (tmp_path / "flow").rglob("*"):
         if file.is_file():
             assert secret.encode() not in file.read_bytes(), f"secret leaked into {file}"
+    assert secret not in redact(f"connection failed with key {secret}")
 
 
 @pytest.mark.parametrize(

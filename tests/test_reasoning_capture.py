@@ -24,7 +24,7 @@ async def _chat(url: str, profile_name: str = "qwen3", stream: bool = False) -> 
     profile = BUILTIN_PROFILES[profile_name]
     body = build_chat_request("scripted-model", [{"role": "user", "content": QUESTION}], profile,
                               GenerationConfig(), stream=stream)
-    async with OpenAIClient(url, "NO_SUCH_KEY_ENV", 30) as client:
+    async with OpenAIClient(url, None, 30) as client:
         done = (await client.chat(body, profile))[0]
     return done.reasoning, done.content, done.reasoning_source
 
