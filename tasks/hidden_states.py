@@ -26,6 +26,7 @@ import itertools
 import json
 import posixpath
 import re
+import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -264,6 +265,9 @@ def plan_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
+_FORWARD_LOCK = threading.Lock()
+
+
 def capture_batch(
     target: TargetModel, aux_layers: Sequence[int], sequences: Sequence[torch.Tensor]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -290,15 +294,16 @@ def capture_batch(
     def keep_final(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
         captured[target.num_layers] = output
 
-    handles = [base.layers[i].register_forward_pre_hook(keep_input(i), with_kwargs=True) for i in aux_layers]
-    handles.append(base.norm.register_forward_hook(keep_final))
     device = base.get_input_embeddings().weight.device
-    try:
-        with torch.inference_mode():
-            base(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with _FORWARD_LOCK:  # shards run in threads over one cached model: one set of hooks at a time
+        handles = [base.layers[i].register_forward_pre_hook(keep_input(i), with_kwargs=True) for i in aux_layers]
+        handles.append(base.norm.register_forward_hook(keep_final))
+        try:
+            with torch.inference_mode():
+                base(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
 
     expected = (len(sequences), longest, target.hidden_size)
     for layer_id, states in captured.items():

@@ -269,3 +269,30 @@ def test_task_hands_on_a_ref_to_the_index(model_dir: str, tmp_path: Path) -> Non
     )
     fingerprint = load_target_model(model_dir, "float32", "cpu").fingerprint
     assert store.read_json(ref.path)["model"]["fingerprint"] == fingerprint
+
+
+def test_shards_extracted_in_parallel_threads_do_not_mix_states(model_dir: str, tmp_path: Path) -> None:
+    """Prefect runs mapped shards in threads over one cached model: each must get its own states."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = RunStore(str(tmp_path), "run")
+    settings = HiddenStatesConfig(dtype="float32", max_tokens_per_batch=64)  # many forward passes per shard
+    lengths = {i: [(7 * i + 13 * k) % 60 + 3 for k in range(12)] for i in range(6)}
+    for index, sizes in lengths.items():
+        write_sequences(store, index, random_rows(sizes, seed=index))
+    refs = [ShardRef("sequences", i, artifact_path("sequences", i), len(s), "x") for i, s in lengths.items()]
+    import time
+
+    from tasks.hidden_states import load_target_model
+
+    base = load_target_model(model_dir, settings.dtype, settings.device_map).base
+    slow = base.layers[0].register_forward_hook(lambda *_: time.sleep(0.01))  # let the threads' passes overlap
+    try:
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            list(pool.map(lambda ref: extract_hidden_states.fn(ref, settings, model_dir, "fp", str(tmp_path), "run"),
+                          refs))
+    finally:
+        slow.remove()
+    for index, sizes in lengths.items():
+        samples = list(read_hidden_state_shard(store, artifact_path("hidden_states", index)))
+        assert sorted(len(s.input_ids) for s in samples) == sorted(sizes)
