@@ -44,6 +44,11 @@ class ServerConfig(_Section):
         default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1, description="vLLM base URLs."
     )
     max_in_flight: PositiveInt = Field(default=64, description="Requests in flight per endpoint.")
+    share_budget_across_runs: bool = Field(
+        default=False,
+        description="Also hold a slot of the Prefect global concurrency limit `eagle3:<endpoint>` (max_in_flight "
+        "slots) per request, so concurrent runs together stay within each endpoint's budget.",
+    )
     api_key_env: str = Field(
         default="VLLM_API_KEY", description="Environment variable holding the API key (never the key itself)."
     )

@@ -16,6 +16,7 @@ import os
 import random
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,30 @@ def finished_entries(store: RunStore, index: int, prompts: list[dict[str, Any]])
     return entries
 
 
+def budget_limit_name(endpoint: str) -> str:
+    return "eagle3:" + endpoint.removeprefix("http://").removeprefix("https://")
+
+
+async def shared_budget(server: ServerConfig) -> Callable[[str], AbstractAsyncContextManager[Any]]:
+    """One Prefect global concurrency limit per endpoint, so concurrent runs share its in-flight budget."""
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.asyncio import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
+
+    async with get_client() as client:
+        for url in server.endpoints:
+            name = budget_limit_name(url)
+            try:
+                await client.upsert_global_concurrency_limit_by_name(name, server.max_in_flight)
+            except ObjectAlreadyExists:  # another run created it between the look-up and the create
+                await client.upsert_global_concurrency_limit_by_name(name, server.max_in_flight)
+    return lambda url: concurrency(budget_limit_name(url), occupy=1, strict=True)
+
+
+def _no_shared_budget(url: str) -> AbstractAsyncContextManager[None]:
+    return contextlib.nullcontext()
+
+
 def unfinished_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: str) -> list[int]:
     """Shards with prompts not yet generated: the server is needed only if this is non-empty."""
     store = RunStore(output_uri, run_name)
@@ -352,6 +377,7 @@ async def generate_async(
     if total == 0:
         return [finished[r.index] for r in prompt_shards]
 
+    run_budget = await shared_budget(server) if server.share_budget_across_runs else _no_shared_budget
     key = api_key(server)
     clients = [OpenAIClient(url, key, server.request_timeout_s, server.max_in_flight) for url in server.endpoints]
     pool = EndpointPool([_Endpoint(c.base_url, c) for c in clients], server.max_in_flight, server.retry_backoff_s)
@@ -370,7 +396,8 @@ async def generate_async(
         for attempt in range(server.max_retries + 1):
             endpoint = await pool.acquire()
             try:
-                completions = await endpoint.client.chat(body, settings.profile)
+                async with run_budget(endpoint.url):
+                    completions = await endpoint.client.chat(body, settings.profile)
             except RequestFailed as error:
                 await pool.release(endpoint, healthy=not error.retryable)
                 if not error.retryable:

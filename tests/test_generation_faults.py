@@ -256,3 +256,27 @@ def test_a_grown_dataset_generates_only_the_new_prompts(tmp_path: Path) -> None:
         asked = [b["messages"][-1]["content"] for b in server.log.bodies]
     assert asked[4:] == ["question 0-4", "question 0-5"], "finished prompts are not asked again"
     assert [r["id"] for r in store.read_jsonl(done.path)] == [r["id"] for r in rows]
+
+
+def test_concurrent_runs_share_an_endpoints_budget_through_prefect(tmp_path: Path) -> None:
+    """Two runs at once, each allowed 4 in flight: with the shared budget the server never sees more than 4."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    async def two_runs(url: str, share: bool) -> None:
+        config = ServerConfig(endpoints=[url], max_in_flight=4, share_budget_across_runs=share)
+        runs = []
+        for name in ("a", "b"):
+            store = RunStore(str(tmp_path / f"{share}"), name)
+            refs = write_prompt_shards(store, 2, 12)
+            runs.append(generate_async(store, refs, settings(), config, ValidationConfig(early_abort_after=1),
+                                       logging.getLogger("test")))
+        await asyncio.gather(*runs)
+
+    with prefect_test_harness(server_startup_timeout=120):
+        for share, ceiling in ((False, 8), (True, 4)):
+            with ScriptedServer(Script(latency_s=0.1)) as server:
+                asyncio.run(two_runs(server.url, share))
+                assert server.log.requests == 48
+                assert server.log.max_in_flight <= ceiling
+                if not share:
+                    assert server.log.max_in_flight > 4, "without sharing, two runs do oversubscribe"
