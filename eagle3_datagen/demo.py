@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_datagen.config import PipelineConfig, parse_config
+from eagle3_datagen.vllm_server import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL_NAME = "tiny-reasoner"
 
 

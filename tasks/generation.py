@@ -252,14 +252,10 @@ def finalize_shard(store: RunStore, state: _ShardState) -> ShardRef:
     return ShardRef("generations", state.ref.index, path, len(records), sha256_hex(data))
 
 
-def finished_shard_ref(store: RunStore, index: int) -> ShardRef:
-    path = artifact_path("generations", index)
-    data = store.read_bytes(path)
-    return ShardRef("generations", index, path, data.count(b"\n"), sha256_hex(data))
-
-
-def finished_entries(store: RunStore, index: int, prompts: list[dict[str, Any]]) -> dict[int, dict[str, Any]] | None:
-    """A finished shard's records and rejections, keyed by their prompt's position in the current prompt shard.
+def finished_shard(
+    store: RunStore, index: int, prompts: list[dict[str, Any]]
+) -> tuple[ShardRef, dict[int, dict[str, Any]]] | None:
+    """A finished shard's ref, and its records and rejections keyed by their prompt's current position.
 
     None if the shard was never finished. Fewer entries than prompts means the prompt shard grew (a dataset
     that gained rows, say): only the new prompts are generated, the finished records are kept.
@@ -267,9 +263,11 @@ def finished_entries(store: RunStore, index: int, prompts: list[dict[str, Any]])
     path = artifact_path("generations", index)
     if not store.exists(path):
         return None
+    data = store.read_bytes(path)
     position = {prompt["id"]: i for i, prompt in enumerate(prompts)}
     entries: dict[int, dict[str, Any]] = {}
-    for record in store.read_jsonl(path):
+    for line in data.decode("utf-8").splitlines():
+        record = json.loads(line)
         at = position.get(record["id"].split(":")[0])
         if at is not None:
             entries.setdefault(at, {"position": at, "records": []})["records"].append(record)
@@ -278,7 +276,7 @@ def finished_entries(store: RunStore, index: int, prompts: list[dict[str, Any]])
         at = position.get(row["id"])
         if at is not None:
             entries[at] = {"position": at, "rejected": row}
-    return entries
+    return ShardRef("generations", index, path, data.count(b"\n"), sha256_hex(data)), entries
 
 
 def budget_limit_name(endpoint: str) -> str:
@@ -311,8 +309,8 @@ def unfinished_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: 
     unfinished = []
     for ref in prompt_shards:
         prompts = store.read_jsonl(ref.path)
-        done = finished_entries(store, ref.index, prompts)
-        if done is None or len(done) < len(prompts):
+        done = finished_shard(store, ref.index, prompts)
+        if done is None or len(done[1]) < len(prompts):
             unfinished.append(ref.index)
     return unfinished
 
@@ -357,12 +355,12 @@ async def generate_async(
     queue: asyncio.Queue[_Item] = asyncio.Queue()
     for ref in prompt_shards:
         prompts = store.read_jsonl(ref.path)
-        previous = finished_entries(store, ref.index, prompts)
-        if previous is not None and len(previous) == len(prompts):
-            finished[ref.index] = finished_shard_ref(store, ref.index)
+        previous = finished_shard(store, ref.index, prompts)
+        if previous is not None and len(previous[1]) == len(prompts):
+            finished[ref.index] = previous[0]
             continue
         state = _ShardState(ref, len(prompts), partial_log_path(store, ref.index))
-        state.entries = {**(previous or {}), **read_partial_log(state.log_path)}
+        state.entries = {**(previous[1] if previous else {}), **read_partial_log(state.log_path)}
         states[ref.index] = state
         for position, prompt in enumerate(prompts):
             if position in state.entries:

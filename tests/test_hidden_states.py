@@ -36,21 +36,19 @@ LAYERS = 8
 AUX = [2, 4, 5]
 
 
+def random_qwen3(**config: object) -> Qwen3ForCausalLM:
+    """The tiny random 8-layer Qwen3 these tests extract from (seeded: the same weights every time)."""
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, intermediate_size=192, vocab_size=512,
+                                        **config))
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    config = Qwen3Config(
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=192,
-        vocab_size=512,
-        initializer_range=0.2,  # layers that visibly move the residual stream, so a wrong index cannot pass
-    )
-    torch.manual_seed(0)
     path = tmp_path_factory.mktemp("tiny-qwen3")
-    Qwen3ForCausalLM(config).save_pretrained(path)
+    # layers that visibly move the residual stream, so a wrong index cannot pass
+    random_qwen3(initializer_range=0.2).save_pretrained(path)
     return str(path)
 
 

@@ -17,7 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+from test_hidden_states import AUX, HIDDEN, LAYERS, random_qwen3
+from transformers import AutoTokenizer, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path
@@ -41,25 +42,12 @@ from tasks.hidden_states import (
 
 torch.set_num_threads(1)
 
-HIDDEN = 64
-LAYERS = 8
-AUX = [2, 4, 5]  # the default [2, N//2, N-3] for the 8-layer tiny model
 
 
 @pytest.fixture(scope="module")
 def served_target(tmp_path_factory: pytest.TempPathFactory) -> ServedTarget:
     """A random tiny Qwen3 saved in several shards, so the final norm is found through the sharded index."""
-    config = Qwen3Config(
-        hidden_size=HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=192,
-        vocab_size=512,
-    )
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config)
+    model = random_qwen3()
     with torch.no_grad():
         model.model.norm.weight.uniform_(0.5, 1.5)
     path = tmp_path_factory.mktemp("sharded-qwen3")
