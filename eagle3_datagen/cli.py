@@ -1,4 +1,4 @@
-"""The `eagle3-datagen` command: run the pipeline, run the demo, probe a tokenizer.
+"""The `eagle3-datagen` command: run the pipeline or the demo, verify or export a run, probe a tokenizer.
 
 Every failure a user can fix prints as one line naming the fix, with exit status 2 (config) or 1 (run).
 """
@@ -52,6 +52,16 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if not result.problems else 1
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from tasks.export import export_run
+
+    summary = export_run(args.run, args.format, args.out)
+    layers = summary["aux_layers"]["input_to_layer"]
+    print(f"{summary['num_samples']} samples for {args.format} in {summary['out']} (aux layers {layers} as inputs "
+          f"to layer i, final state {summary['final_state'].replace('_', ' ')}, {summary['dtype']})")
+    return 0
+
+
 def cmd_probe_tokenizer(args: argparse.Namespace) -> int:
     from eagle3_datagen.profiles import BUILTIN_PROFILES
     from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
@@ -90,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="check a run's invariant: every row accepted once or rejected")
     verify.add_argument("run", help="the run folder")
     verify.set_defaults(func=cmd_verify)
+    export = commands.add_parser("export", help="write a run's hidden states as SpecForge or speculators files")
+    export.add_argument("run", help="the run folder")
+    export.add_argument("--format", required=True, choices=["specforge", "speculators"])
+    export.add_argument("--out", help="where to write (any fsspec URI); default RUN/exports/FORMAT")
+    export.set_defaults(func=cmd_export)
     probe = commands.add_parser("probe-tokenizer", help="find and prove a tokenizer's think-token ids")
     probe.add_argument("tokenizer", help="tokenizer folder or hub id")
     probe.add_argument("--profile", default="kimi-k2.5", choices=sorted(BUILTIN_PROFILES))

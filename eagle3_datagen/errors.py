@@ -33,13 +33,14 @@ def user_error_message(error: BaseException) -> tuple[str | None, int]:
     from eagle3_datagen.config import ConfigError
     from eagle3_datagen.storage import StoragePathError
     from eagle3_datagen.think_tokens import ThinkTokenError
+    from tasks.export import ExportError
     from tasks.generation import GenerationError
     from tasks.health import ServerCheckFailed
     from tasks.report import RunIncomplete
     from tasks.validation import ShardQuarantined
 
     config_errors = (ConfigError, ThinkTokenError, StoragePathError)
-    run_errors = (ServerCheckFailed, GenerationError, ShardQuarantined, RunIncomplete, FileNotFoundError)
+    run_errors = (ServerCheckFailed, GenerationError, ShardQuarantined, RunIncomplete, ExportError, FileNotFoundError)
     if isinstance(error, config_errors):
         status = 2
     elif isinstance(error, run_errors) or type(error) is ValueError:

@@ -1,4 +1,4 @@
-"""The EAGLE-3 data pipeline: prompts → generations → validation → sequences → hidden states."""
+"""The EAGLE-3 data pipeline: prompts → generations → validation → sequences → hidden states (→ trainer files)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from prefect.utilities.annotations import allow_failure
 
 from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.fingerprints import fingerprint
+from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
 from tasks.generation import GenerationSettings, generate, unfinished_shards
 from tasks.health import check_servers
 from tasks.hidden_states import extract_hidden_states
@@ -69,3 +70,11 @@ def rerun_failed(run: str) -> dict[str, Any]:
 def extract_only(run: str, hidden_states: HiddenStatesConfig) -> dict[str, Any]:
     """Hidden states for an existing run's sequences, with new extraction settings; nothing is generated."""
     return pipeline(recorded_config(run).model_copy(update={"hidden_states": hidden_states}))
+
+
+@flow(name="eagle3-export", log_prints=True)
+def export(run: str, format: ExportFormat, out: str | None = None) -> dict[str, Any]:
+    """A finished run's hidden states as the files SpecForge or speculators read; exported shards are kept."""
+    plan = plan_export(run, format, out)
+    shards = export_shard_task.map(unmapped(plan), plan.shards)
+    return finish_export_task.submit(plan, wait_for=shards).result()

@@ -7,13 +7,17 @@ the server writes the states to a file on a shared path that this process reads,
 
 Layer ids: "input to layer i" (EAGLE reference, vLLM's `eagle_aux_hidden_state_layer_ids`, speculators) equals
 transformers' `hidden_states[i]` (0 = embeddings); SpecForge/Model-Optimizer name the same tensor "output of layer
-i-1". The index and every part record both. vLLM's id N (the number of decoder layers) is the last layer's output
-BEFORE the final norm; this output's final state is AFTER it, for both backends (see `final_rms_norm`).
+i-1". The index and every part record both. The final state is the last layer's output BEFORE the final norm, for
+both backends (vLLM's id N, the input of transformers' `model.norm`): speculators trains on it, and the norm's weight
+and eps are kept beside it so the after-norm state SpecForge trains on is exact too (`final_rms_norm`). The reverse
+is impossible: the norm discards each token's scale.
 
 Output per shard, under `hidden_states/shard-NNNNN/`:
   part-NNNNN.safetensors  input_ids [T] int32, loss_mask [T] uint8, aux_hidden_states [T, 3H] (the three aux
-                          layers concatenated in order), final_hidden_states [T, H] (after the final norm), offsets
-                          [n+1] int64 (sample k is rows offsets[k]:offsets[k+1]); metadata names ids and layers.
+                          layers concatenated in order), final_hidden_states [T, H] (before the final norm),
+                          offsets [n+1] int64 (sample k is rows offsets[k]:offsets[k+1]); metadata names ids and
+                          layers.
+  final_norm.safetensors  the final RMSNorm's weight [H]; its eps in the metadata and the index.
   index.json              parts with checksums, sample id -> [part, row], layer ids in both conventions, model
                           fingerprint. Written last: its presence means the shard is complete.
 """
@@ -52,8 +56,9 @@ from eagle3_datagen.config import ConfigError, HiddenStatesConfig
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.storage import RunStore
 
-FORMAT = "eagle3-hidden-states/1"
-FINAL_STATE = "after_norm"
+FORMAT = "eagle3-hidden-states/2"
+FINAL_STATE = "before_norm"
+FINAL_NORM_FILE = "final_norm.safetensors"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _PART_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states")
 # The final norm's weight in a checkpoint: `model.norm.weight`, or under `language_model.` in multimodal
@@ -82,7 +87,7 @@ class Sample:
     input_ids: torch.Tensor  # [t] int32
     loss_mask: torch.Tensor  # [t] uint8
     aux_hidden_states: torch.Tensor  # [t, 3H], model dtype
-    final_hidden_states: torch.Tensor  # [t, H], after the final norm
+    final_hidden_states: torch.Tensor  # [t, H], before the final norm
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +103,8 @@ class TargetInfo:
     hidden_size: int
     vocab_size: int
     fingerprint: str
+    norm_weight: torch.Tensor  # [H], the final RMSNorm's scale
+    norm_eps: float
 
 
 @dataclass(frozen=True)
@@ -111,9 +118,6 @@ class TargetModel(TargetInfo):
 @dataclass(frozen=True)
 class ServedTarget(TargetInfo):
     """A target that a vLLM server runs: only its config and final norm are read here, never its weights."""
-
-    norm_weight: torch.Tensor  # [H], the final RMSNorm's scale
-    norm_eps: float
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -151,6 +155,9 @@ def load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
     if not (hasattr(base, "layers") and hasattr(base, "norm")):
         raise HiddenStatesError(f"{path}: {type(base).__name__} has no .layers/.norm to hook; unsupported model")
     config = model.config.get_text_config()
+    eps = getattr(base.norm, "variance_epsilon", getattr(base.norm, "eps", None))
+    if eps is None:
+        raise HiddenStatesError(f"{path}: {type(base.norm).__name__} has no eps: not an RMSNorm final_rms_norm redoes")
     return TargetModel(
         path=path,
         base=base,
@@ -159,6 +166,8 @@ def load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
         vocab_size=base.get_input_embeddings().num_embeddings,
         dtype=_DTYPES[dtype],
         fingerprint=fingerprint(path),
+        norm_weight=base.norm.weight.detach().to("cpu", copy=True),
+        norm_eps=float(eps),
     )
 
 
@@ -242,9 +251,8 @@ def _final_norm_weight(folder: Path) -> torch.Tensor:
 def final_rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The target's final RMSNorm, computed as transformers does (fp32 statistics, scale in the states' dtype).
 
-    Why here: vLLM captures the final state before the norm, transformers after it. Normalising vLLM's state in the
-    pipeline (one [H] weight from the checkpoint) gives both backends one output, the after-norm state SpecForge
-    trains on and `lm_head` reads, so a trainer never has to know which backend ran.
+    Why: the stored final state is before the norm (what vLLM captures and speculators trains on); SpecForge
+    trains on the state after it, which `lm_head` reads. Extraction checks this against the model's own norm.
     """
     hidden = states.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
@@ -291,13 +299,12 @@ def capture_batch(
 
         return hook
 
-    def keep_final(module: torch.nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-        captured[target.num_layers] = output
-
+    normed: list[torch.Tensor] = []
     device = base.get_input_embeddings().weight.device
     with _FORWARD_LOCK:  # shards run in threads over one cached model: one set of hooks at a time
         handles = [base.layers[i].register_forward_pre_hook(keep_input(i), with_kwargs=True) for i in aux_layers]
-        handles.append(base.norm.register_forward_hook(keep_final))
+        handles.append(base.norm.register_forward_pre_hook(keep_input(target.num_layers), with_kwargs=True))
+        handles.append(base.norm.register_forward_hook(lambda module, args, output: normed.append(output)))
         try:
             with torch.inference_mode():
                 base(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
@@ -313,6 +320,7 @@ def capture_batch(
                 f"{target.dtype} from the model config"
             )
     final = captured[target.num_layers]
+    _check_final_norm(final, normed[0], base.norm.weight, target.norm_eps)
     return [
         (
             torch.cat([captured[i][row, : len(seq)].cpu() for i in aux_layers], dim=-1),
@@ -320,6 +328,17 @@ def capture_batch(
         )
         for row, seq in enumerate(sequences)
     ]
+
+
+def _check_final_norm(before: torch.Tensor, after: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """The stored before-norm state must give the model's own after-norm state, or a SpecForge export would be off."""
+    try:
+        torch.testing.assert_close(final_rms_norm(before, weight, eps), after, equal_nan=True)  # NaN: named later
+    except AssertionError:
+        raise HiddenStatesError(
+            "the target's final norm is not the plain RMSNorm (weight * x / rms(x)) that final_rms_norm redoes for "
+            "the after-norm export; this model needs its own norm there"
+        ) from None
 
 
 def read_sequences(store: RunStore, rel: str, vocab_size: int) -> list[TokenSequence]:
@@ -445,6 +464,8 @@ def _write_shard(
         for sample in stream:
             writer.add(sample)
     writer.flush()
+    norm_file = save_safetensors({"weight": target.norm_weight.contiguous()}, metadata={"eps": repr(target.norm_eps)})
+    store.write_bytes(posixpath.join(folder, FINAL_NORM_FILE), norm_file)
     index = {
         "format": FORMAT,
         "shard": shard_index,
@@ -456,6 +477,7 @@ def _write_shard(
         "dtype": settings.dtype,
         "aux_layers": layer_ids,
         "final_state": FINAL_STATE,
+        "final_norm": {"file": FINAL_NORM_FILE, "eps": target.norm_eps, "sha256": sha256_hex(norm_file)},
         "model": {"path": target.path, "fingerprint": target.fingerprint},
         "parts": writer.parts,
         "samples": writer.rows,
@@ -554,7 +576,7 @@ def served_sample(
     aux_layers: Sequence[int],
     dtype: torch.dtype,
 ) -> Sample:
-    """One connector file as a Sample: token ids checked against the input, final state put through the norm."""
+    """One connector file as a Sample: token ids checked against the input, shapes and dtype against the config."""
     token_ids, states = tensors["token_ids"].to(torch.int64), tensors["hidden_states"]
     input_ids = seq.input_ids.to(torch.int64)
     if not torch.equal(token_ids, input_ids):
@@ -576,8 +598,7 @@ def served_sample(
             f"eagle_aux_hidden_state_layer_ids {layer_ids}"
         )
     aux = states[:, :-1].reshape(len(input_ids), -1)  # [T, 3, H] -> [T, 3H]: the layers side by side, in order
-    final = final_rms_norm(states[:, -1], target.norm_weight, target.norm_eps)
-    return Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final)
+    return Sample(seq.id, seq.input_ids, seq.loss_mask, aux, states[:, -1].contiguous())
 
 
 def read_hidden_state_shard(store: RunStore, index_rel: str) -> Iterator[Sample]:
@@ -599,6 +620,16 @@ def read_hidden_state_shard(store: RunStore, index_rel: str) -> Iterator[Sample]
             raise HiddenStatesError(f"{rel}: offsets do not match the {len(ids)} samples listed in {index_rel}")
         for sample_id, start, end in zip(ids, offsets[:-1], offsets[1:], strict=True):
             yield Sample(sample_id, *(tensors[name][start:end] for name in _PART_TENSORS))
+
+
+def read_final_norm(run: RunStore, index_rel: str) -> tuple[torch.Tensor, float]:
+    """The final norm's weight and eps stored beside a shard's parts, checked against the index."""
+    entry = run.read_json(index_rel)["final_norm"]
+    rel = posixpath.join(posixpath.dirname(index_rel), entry["file"])
+    data = run.read_bytes(rel)
+    if sha256_hex(data) != entry["sha256"]:
+        raise HiddenStatesError(f"{rel} does not match its checksum in {index_rel}: re-run hidden_states")
+    return load_safetensors(data)["weight"], float(entry["eps"])
 
 
 @task(name="extract-hidden-states", retries=1, persist_result=True, cache_policy=STAGE_CACHE)

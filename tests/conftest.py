@@ -1,4 +1,4 @@
-"""Session fixtures: one tiny model and one real vLLM server, shared by every test that needs them."""
+"""Shared fixtures: one tiny model and one real vLLM server per session, a temporary Prefect API per module."""
 
 from __future__ import annotations
 
@@ -27,3 +27,12 @@ def vllm_server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     log_path = tmp_path_factory.mktemp("vllm") / "server.log"
     with LocalVLLMServer(tiny_model, served_name="tiny", log_path=log_path) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def prefect_api() -> Iterator[None]:
+    """A temporary Prefect server for the module's flow runs (`pytestmark = pytest.mark.usefixtures(...)`)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

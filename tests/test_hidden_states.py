@@ -22,8 +22,10 @@ from tasks.hidden_states import (
     default_aux_layers,
     extract_hidden_states,
     extract_shard,
+    final_rms_norm,
     load_target_model,
     plan_batches,
+    read_final_norm,
     read_hidden_state_shard,
     read_sequences,
     resolve_aux_layers,
@@ -119,8 +121,10 @@ def test_hooked_capture_matches_transformers_hidden_states(fp32: TargetModel) ->
     for k, layer in enumerate(AUX):
         torch.testing.assert_close(aux[:, k * HIDDEN : (k + 1) * HIDDEN], hf[layer][0])
         assert not torch.allclose(aux[:, k * HIDDEN : (k + 1) * HIDDEN], hf[layer + 1][0], atol=1e-3)
-    torch.testing.assert_close(final, hf[-1][0])
-    assert not torch.allclose(final, before_norm[0][0], atol=1e-3)  # "after_norm" is the truth, not a label
+    # "before_norm" is the truth, not a label: the last layer's output, which the norm turns into HF's last entry
+    torch.testing.assert_close(final, before_norm[0][0])
+    assert not torch.allclose(final, hf[-1][0], atol=1e-3)
+    torch.testing.assert_close(final_rms_norm(final, fp32.norm_weight, fp32.norm_eps), hf[-1][0])
 
 
 def test_padded_batch_equals_one_at_a_time(fp32: TargetModel) -> None:
@@ -171,7 +175,9 @@ def test_shard_splits_into_parts_and_reads_back_equal(fp32: TargetModel, tmp_pat
     assert len(index["parts"]) >= 4
     assert index["num_samples"] == len(rows) and index["num_tokens"] == sum(len(r[1]) for r in rows)
     assert index["aux_layers"] == {"input_to_layer": AUX, "output_of_layer": [1, 3, 4]}
-    assert index["final_state"] == "after_norm" and index["hidden_size"] == HIDDEN
+    assert index["final_state"] == "before_norm" and index["hidden_size"] == HIDDEN
+    weight, eps = read_final_norm(store, "hidden_states/shard-00003/index.json")
+    assert weight.equal(fp32.norm_weight) and eps == fp32.norm_eps == index["final_norm"]["eps"]
     largest_sample = 40 * (4 * HIDDEN * 4 + 4 + 1)
     for part in index["parts"]:
         assert part["bytes"] <= settings.part_size_bytes + largest_sample + 4096
@@ -207,6 +213,16 @@ def test_corrupted_part_is_detected(fp32: TargetModel, store: RunStore) -> None:
     part.write_bytes(bytes(data))
     with pytest.raises(HiddenStatesError, match=r"part-00001\.safetensors does not match its checksum"):
         list(read_hidden_state_shard(store, index_rel))
+
+
+def test_a_final_norm_that_final_rms_norm_cannot_redo_is_refused(model_dir: str, store: RunStore) -> None:
+    """A Gemma-style (1 + weight) or LayerNorm target would otherwise give wrong after-norm exports, silently."""
+    target = load_target_model.__wrapped__(model_dir, "float32", "cpu")  # a private copy to change
+    target.base.norm.register_forward_hook(lambda module, args, output: output + 1.0)
+    write_sequences(store, 0, random_rows([5, 9], seed=8))
+    with pytest.raises(HiddenStatesError, match="not the plain RMSNorm"):
+        extract_shard(store, 0, target, HiddenStatesConfig(dtype="float32"))
+    assert not store.exists(artifact_path("hidden_states", 0))
 
 
 def test_non_finite_states_name_the_sample_and_leave_no_index(model_dir: str, store: RunStore) -> None:

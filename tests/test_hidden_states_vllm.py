@@ -35,6 +35,7 @@ from tasks.hidden_states import (
     final_rms_norm,
     load_served_target,
     load_target_model,
+    read_final_norm,
     read_hidden_state_shard,
     served_samples,
     vllm_extraction_args,
@@ -156,8 +157,7 @@ def test_files_are_read_in_order_after_the_write_and_removed(
         states = fake_states(seq.input_ids.tolist())
         torch.testing.assert_close(sample.aux_hidden_states, states[:, :3].reshape(len(seq.input_ids), 3 * HIDDEN))
         assert sample.aux_hidden_states[:, HIDDEN:2 * HIDDEN].equal(states[:, 1])  # layers side by side, in order
-        norm = final_rms_norm(states[:, 3], served_target.norm_weight, served_target.norm_eps)
-        torch.testing.assert_close(sample.final_hidden_states, norm)
+        assert sample.final_hidden_states.equal(states[:, 3])  # the server's pre-norm final state, as it came
         assert sample.input_ids is seq.input_ids and sample.loss_mask is seq.loss_mask
     assert list(server.folder.iterdir()) == []
 
@@ -271,9 +271,10 @@ def test_vllm_backend_gives_the_transformers_tensors_in_bf16(
 
     index = vllm_store.read_json(ref.path)
     assert ref.num_records == len(ids) and len(index["parts"]) > 1
-    assert index["backend"] == "vllm" and index["final_state"] == hf_index["final_state"] == "after_norm"
+    assert index["backend"] == "vllm" and index["final_state"] == hf_index["final_state"] == "before_norm"
     assert index["aux_layers"] == hf_index["aux_layers"] == {"input_to_layer": AUX, "output_of_layer": [1, 3, 4]}
     assert list(shared_dir.iterdir()) == [], "per-request files are removed once packed"
+    assert read_final_norm(vllm_store, ref.path)[0].bfloat16().equal(read_final_norm(hf_store, ref.path)[0])
 
     hf = {s.id: s for s in read_hidden_state_shard(hf_store, artifact_path("hidden_states", 0))}
     served = {s.id: s for s in read_hidden_state_shard(vllm_store, ref.path)}

@@ -21,13 +21,7 @@ from eagle3_datagen.scripted_server import Script, ScriptedServer
 from eagle3_datagen.think_tokens import load_tokenizer
 from tasks.health import ServerCheckFailed
 
-
-@pytest.fixture(scope="module", autouse=True)
-def prefect_api() -> Iterator[None]:
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ prompt longer than the model's context (rejected with the server's reason while 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +20,7 @@ from eagle3_datagen.think_tokens import load_tokenizer
 from eagle3_datagen.vllm_server import LocalVLLMServer
 from tasks.health import ServerCheckFailed
 
-pytestmark = pytest.mark.vllm
-
-
-@pytest.fixture(scope="module", autouse=True)
-def prefect_api() -> Iterator[None]:
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("prefect_api")]
 
 
 def served_config(tiny_model: Path, server: LocalVLLMServer, output: Path, **tree: Any) -> PipelineConfig:
