@@ -622,11 +622,13 @@ def read_hidden_state_shard(store: RunStore, index_rel: str) -> Iterator[Sample]
             yield Sample(sample_id, *(tensors[name][start:end] for name in _PART_TENSORS))
 
 
-def read_final_norm(run: RunStore, index_rel: str) -> tuple[torch.Tensor, float]:
+def read_final_norm(store: RunStore, index_rel: str) -> tuple[torch.Tensor, float]:
     """The final norm's weight and eps stored beside a shard's parts, checked against the index."""
-    entry = run.read_json(index_rel)["final_norm"]
-    rel = posixpath.join(posixpath.dirname(index_rel), entry["file"])
-    data = run.read_bytes(rel)
+    entry = store.read_json(index_rel).get("final_norm")
+    rel = posixpath.join(posixpath.dirname(index_rel), entry["file"]) if entry else None
+    if rel is None or not store.exists(rel):
+        raise HiddenStatesError(f"{index_rel}: its final norm is missing (an older version?): re-run hidden_states")
+    data = store.read_bytes(rel)
     if sha256_hex(data) != entry["sha256"]:
         raise HiddenStatesError(f"{rel} does not match its checksum in {index_rel}: re-run hidden_states")
     return load_safetensors(data)["weight"], float(entry["eps"])

@@ -1,6 +1,6 @@
 """The run invariant, checked from the artifacts alone (after any faulty run, and by `eagle3-datagen verify`):
 every input row is accepted exactly once or rejected with a reason, no id is duplicated, every shard's
-checksum matches its manifest entry, and every hidden-state part reads back.
+checksum matches its manifest entry, and every hidden-state part and final norm reads back.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, rejected_path, sha256_hex
 from eagle3_datagen.storage import RunStore
-from tasks.hidden_states import HiddenStatesError, read_hidden_state_shard
+from tasks.hidden_states import HiddenStatesError, read_final_norm, read_hidden_state_shard
 from tasks.prompts import REJECTED_PATH
 
 
@@ -93,6 +93,7 @@ def verify_run(store: RunStore) -> Verification:
                 continue
             try:
                 final_ids = [sample.id for sample in read_hidden_state_shard(store, index_rel)]
+                read_final_norm(store, index_rel)
             except HiddenStatesError as error:
                 problems.append(f"{name} hidden_states: {error}")
                 continue
