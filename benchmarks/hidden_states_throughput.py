@@ -6,7 +6,8 @@ For each model it prints, measured in one run so the machine's noise cancels out
     same padding, no hooks, nothing kept), and their ratio (target >= 0.85);
   - bytes per token written against the 4 x H x (dtype size) lower bound (4 x H x 2 in bf16);
   - peak RSS of a fresh process extracting shards of growing size with a fixed part size, beside its RSS once the
-    model and the sequences are loaded: the difference must stay near one part plus one batch, whatever the shard.
+    model and the sequences are loaded and the peak of the bare forward pass over the same shard (the batch's own
+    activations): the stage's peak must stay near the forward's plus one part, whatever the shard size.
 
 Models: the repo's tiny model ($EAGLE3_TINY_MODEL, built by `make setup`) and a random Qwen3 with hidden 1024
 and 8 layers, saved to a temporary folder. Usage:
@@ -128,23 +129,28 @@ def memory_mib() -> dict[str, float]:
     return {key: int(re.search(rf"{key}:\s+(\d+) kB", status).group(1)) / 1024 for key in ("VmRSS", "VmHWM")}
 
 
-def child_peak_rss(model: str, samples: int, settings: HiddenStatesConfig) -> None:
-    """Run in a fresh process: RSS once the model and sequences are loaded, then the peak over one shard."""
+def child_peak_rss(model: str, samples: int, settings: HiddenStatesConfig, stage: bool) -> None:
+    """Run in a fresh process: RSS once the model and sequences are loaded, then the peak over one shard, through
+    the whole stage or (stage=False) the bare forward pass, whose peak is the batch's own activations."""
     target = load_target_model(model, settings.dtype, settings.device_map)
     with tempfile.TemporaryDirectory(prefix="eagle3-bench-") as tmp:
         store = RunStore(tmp, "run")
         write_sequences(store, sequence_lengths(samples=samples, seed=1), target.vocab_size)
         loaded = memory_mib()["VmRSS"]
         Path("/proc/self/clear_refs").write_text("5")  # restart the high-water mark from here
+        if not stage:
+            bare_forward(target, store, settings)
+            print(json.dumps({"peak_mib": memory_mib()["VmHWM"]}))
+            return
         index = extract_shard(store, 0, target, settings)
         peak = memory_mib()["VmHWM"]
     print(json.dumps({"loaded_mib": loaded, "peak_mib": peak, "tokens": index["num_tokens"],
                       "bytes": sum(part["bytes"] for part in index["parts"]), "parts": len(index["parts"])}))
 
 
-def peak_rss(model: str, samples: int, settings: HiddenStatesConfig) -> dict[str, float]:
+def peak_rss(model: str, samples: int, settings: HiddenStatesConfig, stage: bool) -> dict[str, float]:
     result = subprocess.run(
-        [sys.executable, __file__, "--child", model, str(samples), settings.model_dump_json()],
+        [sys.executable, __file__, "--child", model, str(samples), settings.model_dump_json(), str(int(stage))],
         check=True, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -152,7 +158,8 @@ def peak_rss(model: str, samples: int, settings: HiddenStatesConfig) -> dict[str
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child_peak_rss(sys.argv[2], int(sys.argv[3]), HiddenStatesConfig.model_validate_json(sys.argv[4]))
+        child_peak_rss(sys.argv[2], int(sys.argv[3]), HiddenStatesConfig.model_validate_json(sys.argv[4]),
+                       sys.argv[5] == "1")
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny-model", default=os.environ.get("EAGLE3_TINY_MODEL", "build/tiny-model"))
@@ -163,28 +170,32 @@ def main() -> None:
                         help="float32 by default: this CPU has no bf16 matrix units (bf16 runs ~7x slower)")
     parser.add_argument("--rss-shards", default="32,128,384", help="shard sizes (samples) for the RSS runs")
     parser.add_argument("--rss-part-mib", type=int, default=16, help="part size during the RSS runs")
+    parser.add_argument("--phases", default="throughput,rss", help="a subset of throughput,rss")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
     settings = HiddenStatesConfig(dtype=args.dtype, max_tokens_per_batch=args.max_tokens_per_batch)
     with tempfile.TemporaryDirectory(prefix="eagle3-bench-model-") as tmp:
         models = {"tiny": args.tiny_model, "hidden 1024 x 8 layers": random_model(Path(tmp), 1024, 8)}
-        print(f"{'model':<24} {'tokens':>7} {'stage tok/s':>12} {'forward tok/s':>14} {'ratio':>6} "
-              f"{'bytes/token':>12} {'4 x H x dtype':>14}")
-        for name, model in models.items():
+        if "throughput" in args.phases:
+            print(f"{'model':<24} {'tokens':>7} {'stage tok/s':>12} {'forward tok/s':>14} {'ratio':>6} "
+                  f"{'bytes/token':>12} {'4 x H x dtype':>14}")
+        for name, model in models.items() if "throughput" in args.phases else ():
             row = throughput(model, args.tokens, args.repeats, settings)
             print(f"{name:<24} {row['tokens']:>7} {row['stage tok/s']:>12,.0f} {row['bare forward tok/s']:>14,.0f} "
                   f"{row['ratio']:>6.3f} {row['bytes/token']:>12.1f} {row['states lower bound']:>14}")
 
         rss_settings = settings.model_copy(update={"part_size_bytes": args.rss_part_mib << 20})
-        print(f"\npeak RSS, part size {args.rss_part_mib} MiB, {args.dtype} (fresh process per shard)")
-        print(f"{'model':<24} {'samples':>8} {'tokens':>8} {'written MiB':>12} {'parts':>6} {'loaded MiB':>11} "
-              f"{'peak MiB':>9}")
-        for name, model in models.items():
+        if "rss" in args.phases:
+            print(f"\npeak RSS, part size {args.rss_part_mib} MiB, {args.dtype} (fresh process per shard)")
+            print(f"{'model':<24} {'samples':>8} {'tokens':>8} {'written MiB':>12} {'parts':>6} {'loaded MiB':>11} "
+                  f"{'forward-only peak':>18} {'stage peak MiB':>15}")
+        for name, model in models.items() if "rss" in args.phases else ():
             for samples in (int(n) for n in args.rss_shards.split(",")):
-                row = peak_rss(model, samples, rss_settings)
+                row = peak_rss(model, samples, rss_settings, stage=True)
+                forward = peak_rss(model, samples, rss_settings, stage=False)["peak_mib"]
                 print(f"{name:<24} {samples:>8} {row['tokens']:>8} {row['bytes'] / 2**20:>12.1f} {row['parts']:>6} "
-                      f"{row['loaded_mib']:>11.0f} {row['peak_mib']:>9.0f}")
+                      f"{row['loaded_mib']:>11.0f} {forward:>18.0f} {row['peak_mib']:>15.0f}")
 
 
 if __name__ == "__main__":

@@ -68,4 +68,6 @@ def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     flow_run_id = state.state_details.flow_run_id
     stages = asyncio.run(_stage_lines(flow_run_id)) if flow_run_id else []
     summary = state.result()
+    if config.hidden_states.backend != "none":
+        stages.append(f"trainer files: eagle3-datagen export {summary['run_uri']} --format specforge (or speculators)")
     return {**summary, "stages": stages}

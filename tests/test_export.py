@@ -39,9 +39,9 @@ def shard_rows(shard: int, lengths: list[int]) -> list[tuple[str, list[int], lis
     return [(f"{shard}-{k}", *row[1:]) for k, row in enumerate(random_rows(lengths, seed=shard))]
 
 
-def make_run(root: Path, target: TargetModel, shards: dict[int, list[int]] = SHARDS) -> RunStore:
+def make_run(output_uri: str, target: TargetModel, shards: dict[int, list[int]] = SHARDS) -> RunStore:
     """A run whose every shard has hidden states, as the pipeline leaves it (manifest, sequences, parts)."""
-    store = RunStore(str(root), "run")
+    store = RunStore(output_uri, "run")
     store.write_json(
         MANIFEST,
         {
@@ -79,7 +79,7 @@ def close(got: torch.Tensor, expected: torch.Tensor) -> None:
 def test_specforge_files_load_with_weights_only_and_hold_the_after_norm_state(
     tmp_path: Path, bf16: TargetModel
 ) -> None:
-    make_run(tmp_path, bf16)
+    make_run(str(tmp_path), bf16)
     summary = export_run(str(tmp_path / "run"), "specforge")
 
     out = tmp_path / "run" / "exports" / "specforge"
@@ -117,7 +117,7 @@ def test_specforge_files_load_with_weights_only_and_hold_the_after_norm_state(
 
 
 def test_speculators_files_and_dataset_pair_up_with_the_before_norm_state(tmp_path: Path, bf16: TargetModel) -> None:
-    make_run(tmp_path, bf16)
+    make_run(str(tmp_path), bf16)
     out = tmp_path / "for-speculators"
     summary = export_run(str(tmp_path / "run"), "speculators", str(out))
     assert summary["final_state"] == "before_norm" and summary["num_samples"] == 9
@@ -142,7 +142,7 @@ def test_speculators_files_and_dataset_pair_up_with_the_before_norm_state(tmp_pa
 
 
 def test_a_second_export_redoes_only_changed_shards(tmp_path: Path, bf16: TargetModel) -> None:
-    make_run(tmp_path, bf16)
+    make_run(str(tmp_path), bf16)
     run = str(tmp_path / "run")
     export_run(run, "specforge")
     out = tmp_path / "run" / "exports" / "specforge"
@@ -167,7 +167,7 @@ def test_a_second_export_redoes_only_changed_shards(tmp_path: Path, bf16: Target
 
 
 def test_unfinished_run_is_refused_with_the_fix_and_nothing_written(tmp_path: Path, bf16: TargetModel) -> None:
-    store = make_run(tmp_path, bf16, {0: [5, 6]})
+    store = make_run(str(tmp_path), bf16, {0: [5, 6]})
     store.write_json(MANIFEST, {**store.read_json(MANIFEST), "shards": {"shard-00000": {}, "shard-00001": {}}})
     with pytest.raises(
         ExportError, match=r"hidden_states/shard-00001 is not finished: run `eagle3-datagen rerun-failed"
@@ -179,7 +179,7 @@ def test_unfinished_run_is_refused_with_the_fix_and_nothing_written(tmp_path: Pa
 def test_cli_exports_and_prints_one_line_errors(
     tmp_path: Path, bf16: TargetModel, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    make_run(tmp_path, bf16, {0: [4, 8]})
+    make_run(str(tmp_path), bf16, {0: [4, 8]})
     assert main(["export", str(tmp_path / "run"), "--format", "speculators"]) == 0
     assert "2 samples" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "nothing-here"), "--format", "specforge"]) == 1
@@ -189,7 +189,7 @@ def test_cli_exports_and_prints_one_line_errors(
 
 @pytest.mark.usefixtures("prefect_api")
 def test_export_flow_runs_shards_as_tasks(tmp_path: Path, bf16: TargetModel) -> None:
-    make_run(tmp_path, bf16)
+    make_run(str(tmp_path), bf16)
     summary = export(str(tmp_path / "run"), "specforge")
     assert summary["num_samples"] == 9
     assert len(list((tmp_path / "run" / "exports" / "specforge").rglob("*.ckpt"))) == 9

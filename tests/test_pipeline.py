@@ -19,6 +19,7 @@ from eagle3_datagen.demo import DEMO_MODEL_NAME, demo_questions
 from eagle3_datagen.runner import run_pipeline
 from eagle3_datagen.scripted_server import Script, ScriptedServer
 from eagle3_datagen.think_tokens import load_tokenizer
+from tasks.export import export_run
 from tasks.health import ServerCheckFailed
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -69,6 +70,11 @@ def test_every_stage_runs_and_a_second_run_is_all_cached(tiny_model: Path, serve
     assert part["aux_hidden_states"].shape == (tokens, 3 * hidden)
     assert part["final_hidden_states"].shape == (tokens, hidden)
     assert part["aux_hidden_states"].dtype == torch.float32 and int(part["offsets"][-1]) == tokens
+
+    assert first["stages"][-1] == f"trainer files: eagle3-datagen export {run} --format specforge (or speculators)"
+    exported = export_run(str(run), "specforge")
+    samples = sum(json.loads(p.read_text())["num_samples"] for p in run.glob("hidden_states/*/index.json"))
+    assert exported["num_samples"] == samples == len(list((run / "exports" / "specforge").rglob("data_*.ckpt")))
 
     requests = server.log.requests
     second = run_pipeline(config(tiny_model, server.url, tmp_path))

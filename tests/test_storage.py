@@ -147,3 +147,31 @@ def test_a_restarted_s3_gateway_costs_a_retry_not_an_artifact(s3_endpoint: str, 
     comeback.join()
     assert store.read_json("manifest.json") == {"written": "before the outage"}
     assert store.read_json("generations/shard-00000.json") == {"written": "during the outage"}
+
+
+def test_hidden_states_export_from_s3_to_s3_loads_back(s3_endpoint: str, tmp_path: Path) -> None:
+    """The export reads parts and the final norm from S3 and writes trainer files and a datasets folder there."""
+    import datasets
+    from safetensors.torch import load as load_safetensors
+    from test_export import make_run
+    from test_hidden_states import HIDDEN, random_qwen3
+
+    from tasks.export import export_run
+    from tasks.hidden_states import load_target_model
+
+    random_qwen3().save_pretrained(tmp_path / "model")
+    target = load_target_model(str(tmp_path / "model"), "bfloat16", "cpu")
+    output_uri = f"s3://eagle3-test/{tmp_path.name}"
+    make_run(output_uri, target, {0: [5, 9], 1: [7]})
+
+    summary = export_run(f"{output_uri}/run", "speculators")
+
+    out = RunStore.at(summary["out"])
+    assert summary["out"] == f"{output_uri}/run/exports/speculators" and summary["num_samples"] == 3
+    local = tmp_path / "downloaded"
+    out.fs.get(out.root + "/", str(local), recursive=True)
+    rows = datasets.load_from_disk(str(local))
+    for i in range(3):
+        loaded = load_safetensors(out.read_bytes(f"hidden_states/hs_{i}.safetensors"))
+        assert loaded["hidden_states"].shape == (int(rows[i]["seq_len"]), 4, HIDDEN)
+        assert loaded["token_ids"].equal(rows[i]["input_ids"])
