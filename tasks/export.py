@@ -63,10 +63,6 @@ class ExportPlan:
     shards: list[ShardExport]
     source: dict[str, Any]  # what export.json repeats from the hidden-state indexes: layers, sizes, dtype
 
-    @property
-    def num_samples(self) -> int:
-        return sum(shard.num_samples for shard in self.shards)
-
 
 def plan_export(run_uri: str, export_format: ExportFormat, out_uri: str | None = None) -> ExportPlan:
     """Every shard of the run must have finished hidden states: a partial export would silently lose samples."""
