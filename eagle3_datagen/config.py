@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
+from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.profiles import ModelProfile, resolve_profile
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -174,7 +175,7 @@ class PipelineConfig(_Section):
         return self.hidden_states.model or self.model.tokenizer
 
 
-class ConfigError(ValueError):
+class ConfigError(ConfigurationError, ValueError):
     """A config problem, phrased as one line that names the key to fix."""
 
 

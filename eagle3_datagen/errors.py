@@ -1,50 +1,38 @@
-"""User-facing errors: which exceptions are the user's to fix, and keeping secrets out of every message."""
+"""The one exception root. A `UserError` is something the user can fix: its message is one line naming the fix.
+
+Everything else is a bug and keeps its traceback. Stages derive their errors from these; nobody keeps a list.
+"""
 
 from __future__ import annotations
 
-import os
-
-SECRET_ENV_VARS = ("VLLM_API_KEY", "OPENAI_API_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN")
+from eagle3_datagen.secrets import redact
 
 
-_REGISTERED: set[str] = set()
+class Eagle3Error(Exception):
+    """Root of the project's own exceptions."""
 
 
-def register_secret(value: str) -> None:
-    """A secret that came from elsewhere than the environment (a Prefect Secret block): redact it too."""
-    if len(value) >= 4:
-        _REGISTERED.add(value)
+class UserError(Eagle3Error):
+    """A problem the user fixes (config, data, servers, storage); the run's outputs so far are kept.
+
+    `exit_status` is what the command line exits with: 2 for a bad config, 1 for a run that could not finish.
+    """
+
+    exit_status = 1
+
+    def one_line(self) -> str:
+        """The message on one line, secrets redacted: what the CLI, the manifest and the Prefect UI show."""
+        return redact(" ".join(str(self).split()))
 
 
-def redact(text: str) -> str:
-    """Replace the value of every secret in the environment, and every registered one, by a marker."""
-    names = [*SECRET_ENV_VARS, *(n for n in os.environ if n.endswith(("_API_KEY", "_SECRET", "_TOKEN")))]
-    for name in names:
-        value = os.environ.get(name, "")
-        if len(value) >= 4:
-            text = text.replace(value, f"<{name}>")
-    for value in _REGISTERED:
-        text = text.replace(value, "<secret>")
-    return text
+class ConfigurationError(UserError):
+    """The config (or a file it names) is wrong before anything runs."""
+
+    exit_status = 2
 
 
-def user_error_message(error: BaseException) -> tuple[str | None, int]:
-    """(one-line message, exit status) for errors a user can fix; (None, 1) for bugs, which keep their trace."""
-    from eagle3_datagen.config import ConfigError
-    from eagle3_datagen.storage import StoragePathError
-    from eagle3_datagen.think_tokens import ThinkTokenError
-    from tasks.export import ExportError
-    from tasks.generation import GenerationError
-    from tasks.health import ServerCheckFailed
-    from tasks.report import RunIncomplete
-    from tasks.validation import ShardQuarantined
-
-    config_errors = (ConfigError, ThinkTokenError, StoragePathError)
-    run_errors = (ServerCheckFailed, GenerationError, ShardQuarantined, RunIncomplete, ExportError, FileNotFoundError)
-    if isinstance(error, config_errors):
-        status = 2
-    elif isinstance(error, run_errors) or type(error) is ValueError:
-        status = 1
-    else:
-        return None, 1
-    return redact(" ".join(str(error).split())), status
+def one_line(error: BaseException) -> str:
+    """Any exception as one redacted line (`Type: message` for bugs, the message alone for user errors)."""
+    if isinstance(error, UserError):
+        return error.one_line()
+    return redact(" ".join(f"{type(error).__name__}: {error}".split()))

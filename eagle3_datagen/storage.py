@@ -17,11 +17,13 @@ from typing import IO, Any, TypeVar
 import fsspec
 from fsspec.core import url_to_fs
 
+from eagle3_datagen.errors import ConfigurationError
+
 T = TypeVar("T")
 _BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
 
 
-class StoragePathError(ValueError):
+class StoragePathError(ConfigurationError, ValueError):
     """A relative path that would leave the run's folder."""
 
 

@@ -12,10 +12,11 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.profiles import ModelProfile
 
 
-class ThinkTokenError(ValueError):
+class ThinkTokenError(ConfigurationError, ValueError):
     """The tokenizer cannot represent this profile's think tags as single ids."""
 
 

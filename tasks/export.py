@@ -31,6 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from safetensors.torch import save as save_safetensors
 
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, sha256_hex, shard_name
+from eagle3_datagen.errors import UserError
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states import FORMAT, final_rms_norm, read_final_norm, read_hidden_state_shard
 
@@ -39,7 +40,7 @@ EXPORT_INDEX = "export.json"
 _FINAL_STATE = {"specforge": "after_norm", "speculators": "before_norm"}
 
 
-class ExportError(RuntimeError):
+class ExportError(UserError):
     """A run that cannot be exported yet, with what to do about it."""
 
 

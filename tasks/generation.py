@@ -27,6 +27,7 @@ from prefect.artifacts import aupdate_progress_artifact, create_progress_artifac
 from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, sha256_hex
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
+from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
@@ -37,7 +38,7 @@ ENDPOINT_FAILURES_BEFORE_BACKOFF = 3
 ENDPOINT_MAX_COOLDOWN_S = 30.0
 
 
-class GenerationError(RuntimeError):
+class GenerationError(UserError):
     """Generation could not finish; finished records are kept and a re-run resumes from them."""
 
 

@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import MANIFEST, ShardRef
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
+from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
@@ -23,7 +24,7 @@ PROBE_MAX_TOKENS = 256
 PROBE_CANDIDATES = 16  # prompts the probe may try, in order, until probe_requests are answered
 
 
-class ServerCheckFailed(RuntimeError):
+class ServerCheckFailed(UserError):
     """The servers are not fit for this run; the message says what to fix."""
 
 

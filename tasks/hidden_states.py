@@ -53,6 +53,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, shard_name
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
+from eagle3_datagen.errors import UserError
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.storage import RunStore
 
@@ -66,7 +67,7 @@ _PART_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_st
 _FINAL_NORM_KEY = re.compile(r"^(?:language_model\.)?model\.norm\.weight$")
 
 
-class HiddenStatesError(RuntimeError):
+class HiddenStatesError(UserError):
     """Hidden states that must not reach a trainer: non-finite values, wrong shapes, corrupted parts."""
 
 

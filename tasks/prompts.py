@@ -20,6 +20,7 @@ from prefect import task
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
+from eagle3_datagen.errors import ConfigurationError, UserError
 from eagle3_datagen.storage import RunStore
 
 PromptFormat = Literal["auto", "sharegpt", "openai"]
@@ -44,6 +45,14 @@ class RowRejected(ValueError):
     """A row that cannot become a prompt: its reason is logged and the run goes on."""
 
 
+class DataSourceError(ConfigurationError, ValueError):
+    """The dataset as a whole cannot be used (missing, empty, no prompt column, every row rejected)."""
+
+
+class DataSourceMissing(DataSourceError, FileNotFoundError):
+    """`data.source` names a local path that does not exist."""
+
+
 @dataclass(frozen=True)
 class PromptLoadResult:
     """The prompt shards in order, and how many source rows were read, accepted and rejected."""
@@ -64,7 +73,7 @@ def load_rows(source: str, split: str = "train", limit: int | None = None) -> It
         options = {"encoding": "utf_8", "encoding_errors": "replace"} if builder == "json" else {}
         dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=True, **options)
     elif source.startswith(("/", ".", "~")) or local.suffix in _BUILDERS:
-        raise FileNotFoundError(
+        raise DataSourceMissing(
             f"data.source {source}: no such file or folder; give an existing .jsonl/.json/.parquet file, "
             "a folder of them, or a Hugging Face dataset id"
         )
@@ -77,14 +86,14 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     """The datasets builder and the files of a local source: one file, or every data file under a folder."""
     if path.is_file():
         if path.suffix not in _BUILDERS:
-            raise ValueError(f"data.source {path}: unsupported file type; use a .jsonl, .json or .parquet file")
+            raise DataSourceError(f"data.source {path}: unsupported file type; use a .jsonl, .json or .parquet file")
         return _BUILDERS[path.suffix], [str(path)]
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in _BUILDERS)
     if not files:
-        raise ValueError(f"data.source {path}: the folder holds no .jsonl, .json or .parquet files")
+        raise DataSourceError(f"data.source {path}: the folder holds no .jsonl, .json or .parquet files")
     builders = {_BUILDERS[p.suffix] for p in files}
     if len(builders) > 1:
-        raise ValueError(f"data.source {path}: the folder mixes JSON and Parquet files; keep one kind")
+        raise DataSourceError(f"data.source {path}: the folder mixes JSON and Parquet files; keep one kind")
     return builders.pop(), [str(p) for p in files]
 
 
@@ -203,9 +212,9 @@ def write_prompt_shards(
     assert result.rows == result.accepted + result.rejected
     assert sum(ref.num_records for ref in shards) == len(first_row_of)
     if not result.rows:
-        raise ValueError(f"{source}: no rows were read; check data.source, data.split and data.limit")
+        raise DataSourceError(f"{source}: no rows were read; check data.source, data.split and data.limit")
     if not result.accepted:
-        raise ValueError(
+        raise DataSourceError(
             f"{source}: every one of its {result.rows} rows was rejected; "
             f"see {store.uri}/{REJECTED_PATH} for the reasons"
         )
@@ -217,7 +226,7 @@ def _check_columns(row: dict[str, Any], fmt: PromptFormat, source: str) -> None:
     if any(column in row for column, _, _ in _FORMS[fmt]):
         return
     expected = " or ".join(f"`{column}` [{{{rk}, {tk}}}]" for column, rk, tk in _FORMS[fmt])
-    raise ValueError(
+    raise DataSourceError(
         f"{source}: no prompt column; found columns [{', '.join(map(str, row))}], expected {expected} "
         f"(data.format: {fmt})"
     )
@@ -239,7 +248,7 @@ def read_prompt_shard(store: RunStore, ref: ShardRef) -> list[dict[str, Any]]:
     """The records of one prompt shard, refused if the file no longer matches the hash downstream caches use."""
     data = store.read_bytes(ref.path)
     if sha256_hex(data) != ref.sha256:
-        raise ValueError(f"{ref.path} changed since the prompts stage wrote it; re-run the prompts stage")
+        raise DataSourceError(f"{ref.path} changed since the prompts stage wrote it; re-run the prompts stage")
     return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
 
 
@@ -247,7 +256,7 @@ def _retry_unless_bad_input(task: Any, task_run: Any, state: Any) -> bool:
     """Retry transient failures (a hub hiccup), not a dataset that will fail the same way again."""
     try:
         state.result()
-    except (ValueError, FileNotFoundError):
+    except UserError:
         return False
     except Exception:
         return True

@@ -21,12 +21,13 @@ from prefect.cache_policies import NO_CACHE
 from eagle3_datagen import __version__
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, rejected_path, sha256_hex, shard_name
 from eagle3_datagen.config import ConfigError, PipelineConfig, parse_config
+from eagle3_datagen.errors import UserError
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
 
 
-class RunIncomplete(RuntimeError):
+class RunIncomplete(UserError):
     """Some shards did not reach the end of the pipeline; the manifest says which and why."""
 
 

@@ -16,12 +16,13 @@ from prefect.artifacts import create_markdown_artifact
 from eagle3_datagen.artifacts import ShardRef, artifact_path
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ValidationConfig
+from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import ThinkTokenSpec, discover_think_tokens, load_tokenizer
 
 
-class ShardQuarantined(RuntimeError):
+class ShardQuarantined(UserError):
     """A shard whose generations broke a validation threshold."""
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from eagle3_datagen.demo import DEMO_MODEL_NAME, demo_questions
+from cli.demo import DEMO_MODEL_NAME, demo_questions
 from eagle3_datagen.scripted_server import Script, ScriptedServer
 from eagle3_datagen.think_tokens import load_tokenizer
 from eagle3_datagen.vllm_server import free_port

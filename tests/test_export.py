@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from test_hidden_states import AUX, HIDDEN, LAYERS, random_qwen3, random_rows, write_sequences
 
+from cli.main import main
 from eagle3_datagen.artifacts import MANIFEST
-from eagle3_datagen.cli import main
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.storage import RunStore
 from flows.pipeline import export

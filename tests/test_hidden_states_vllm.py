@@ -21,9 +21,9 @@ from test_hidden_states import AUX, HIDDEN, LAYERS, random_qwen3
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+from cli.demo import demo_questions
 from eagle3_datagen.artifacts import ShardRef, artifact_path
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
-from eagle3_datagen.demo import demo_questions
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.vllm_server import REPO_ROOT, LocalVLLMServer
 from tasks.hidden_states import (

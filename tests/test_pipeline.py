@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3_datagen.cli import main
+from cli.demo import DEMO_MODEL_NAME, demo_questions
+from cli.main import main
+from cli.runner import run_pipeline
 from eagle3_datagen.config import PipelineConfig, parse_config
-from eagle3_datagen.demo import DEMO_MODEL_NAME, demo_questions
-from eagle3_datagen.runner import run_pipeline
 from eagle3_datagen.scripted_server import Script, ScriptedServer
 from eagle3_datagen.think_tokens import load_tokenizer
 from tasks.export import export_run
@@ -108,7 +108,7 @@ def test_the_api_key_is_sent_but_never_reaches_an_artifact(tiny_model: Path, ser
                                                            monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     from prefect.blocks.system import Secret
 
-    from eagle3_datagen.errors import redact
+    from eagle3_datagen.secrets import redact
 
     secret = f"sk-very-secret-{where}-4f1d9c"
     monkeypatch.delenv("VLLM_API_KEY", raising=False)

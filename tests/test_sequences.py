@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_datagen.cli import main
+from cli.main import main
 from eagle3_datagen.config import SequencesConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.storage import RunStore

@@ -93,8 +93,8 @@ KIMI_DIR = REPO.parent / "shared" / "tokenizers" / "kimi-k2.5"
 def test_a_run_on_s3_writes_every_artifact_and_its_cache_there(s3_endpoint: str, tmp_path: Path) -> None:
     from prefect.testing.utilities import prefect_test_harness
 
+    from cli.runner import run_pipeline
     from eagle3_datagen.config import parse_config
-    from eagle3_datagen.runner import run_pipeline
     from eagle3_datagen.scripted_server import Script, ScriptedServer
     from eagle3_datagen.think_tokens import load_tokenizer
 

@@ -43,7 +43,7 @@ def demo_config(model_dir: Path, endpoint: str, output_uri: Path, run_name: str 
 
 def run_demo(output_uri: Path) -> dict[str, Any]:
     """Start the vLLM CPU server on the tiny model, run the whole pipeline on the demo questions, stop it."""
-    from eagle3_datagen.runner import run_pipeline
+    from cli.runner import run_pipeline
     from eagle3_datagen.vllm_server import LocalVLLMServer
 
     model_dir = tiny_model_dir()

@@ -15,7 +15,7 @@ from typing import Any
 
 
 def _run(config: Any) -> dict[str, Any]:
-    from eagle3_datagen.runner import run_pipeline
+    from cli.runner import run_pipeline
 
     return run_pipeline(config)
 
@@ -27,7 +27,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from eagle3_datagen.demo import run_demo
+    from cli.demo import run_demo
 
     return _print_summary(run_demo(Path(args.output_uri)))
 
@@ -121,16 +121,13 @@ def _prefect_defaults() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     _prefect_defaults()
     args = build_parser().parse_args(argv)
-    from eagle3_datagen.errors import user_error_message
+    from eagle3_datagen.errors import UserError
 
     try:
         return args.func(args)
-    except Exception as error:
-        message, status = user_error_message(error)
-        if message is None:
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        return status
+    except UserError as error:
+        print(f"error: {error.one_line()}", file=sys.stderr)
+        return error.exit_status
 
 
 if __name__ == "__main__":
