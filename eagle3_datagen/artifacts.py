@@ -38,6 +38,16 @@ def rejected_path(stage: str, index: int) -> str:
     return f"rejected/{stage}-{shard_name(index)}.jsonl"
 
 
+def sample_id(prompt_id: str, sample: int, samples: int) -> str:
+    """A training sample's id: the prompt's id, with a `:k` suffix when a prompt has several samples (n > 1)."""
+    return prompt_id if samples == 1 else f"{prompt_id}:{sample}"
+
+
+def prompt_id_of(sample: str) -> str:
+    """The id of the prompt a sample (or a rejection) belongs to."""
+    return sample.split(":", 1)[0]
+
+
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

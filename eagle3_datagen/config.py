@@ -61,6 +61,16 @@ class ServerConfig(_Section):
     request_timeout_s: float = Field(default=3600.0, gt=0, description="Per request; reasoning can be long.")
     max_retries: int = Field(default=5, ge=0, description="Retries of a request on 408/429/5xx and dropped links.")
     retry_backoff_s: float = Field(default=1.0, gt=0, description="First retry delay; doubles each try, jittered.")
+    give_up_after_s: float = Field(
+        default=600.0, gt=0,
+        description="End the run (Failed, finished records kept) when no request has succeeded on any endpoint "
+        "for this long while every endpoint was backing off.",
+    )
+    max_consecutive_errors: PositiveInt = Field(
+        default=100,
+        description="End the run when this many requests in a row fail (errors of requests already in flight when "
+        "their endpoint was marked down are not counted).",
+    )
 
     @field_validator("endpoints")
     @classmethod
@@ -93,6 +103,11 @@ class ValidationConfig(_Section):
         default=False, description="Accept a server without a reasoning parser and split the tags out here."
     )
     probe_requests: PositiveInt = Field(default=2, description="Short real requests sent before any shard.")
+    min_accepted_rate: float = Field(
+        default=0.5, ge=0, le=1,
+        description="A run that accepts a smaller share of its prompts into the training set ends Failed; the "
+        "early-abort window stops a run whose first requests are refused more often than this allows.",
+    )
 
 
 class SequencesConfig(_Section):

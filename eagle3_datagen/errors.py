@@ -5,6 +5,8 @@ Everything else is a bug and keeps its traceback. Stages derive their errors fro
 
 from __future__ import annotations
 
+from typing import Any
+
 from eagle3_datagen.secrets import redact
 
 
@@ -36,3 +38,17 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, UserError):
         return error.one_line()
     return redact(" ".join(f"{type(error).__name__}: {error}".split()))
+
+
+def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
+    """Prefect retry condition: retry what may pass next time (a crash, a hiccup), never a stage's own verdict.
+
+    A stage raises a UserError when it has judged the run: retrying would repeat the work it judged hopeless.
+    """
+    try:
+        state.result()
+    except UserError:
+        return False
+    except Exception:
+        return True
+    return False

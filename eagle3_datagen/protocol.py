@@ -228,11 +228,12 @@ class OpenAIClient:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
-    async def served_models(self) -> list[str]:
+    async def served_models(self) -> dict[str, int | None]:
+        """Served model names and their context length (`max_model_len`, when the server reports it)."""
         async with self._http().get("/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
             data = await response.read()
             _raise_for_status(response.status, str(response.url), data)
-        return [entry["id"] for entry in json.loads(data).get("data", [])]
+        return {entry["id"]: entry.get("max_model_len") for entry in json.loads(data).get("data", [])}
 
     async def chat(self, body: dict[str, Any], profile: ModelProfile) -> list[Completion]:
         """One chat completion; transport failures and refusals become RequestFailed with `retryable` set."""

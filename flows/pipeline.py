@@ -30,7 +30,7 @@ def pipeline(config: PipelineConfig) -> dict[str, Any]:
 
     if unfinished_shards(prompts.shards, **where):
         check_servers(config.model.name, config.profile, config.server, config.generation, config.validation,
-                      prompts.shards[0], **where)
+                      prompts.shards, config.model.tokenizer, **where)
     generations = generate(prompts.shards, settings, config.server, config.validation, **where)
 
     at = {key: unmapped(value) for key, value in where.items()}

@@ -3,39 +3,50 @@
 Shards are the unit of storage and re-runs, not of concurrency: a request starts the moment any finishes,
 whatever shard it belongs to. Records are appended to a shard's partial log as they complete, so a killed
 run resumes without repeating a finished request; a finished shard is written atomically.
+
+Failure is bounded: an endpoint that keeps failing is backed off (one warning when it goes down, one when it
+recovers), and the run gives up, keeping what it finished, after `server.max_consecutive_errors` failures in
+a row or `server.give_up_after_s` without a success. Stage verdicts are UserErrors, never retried by Prefect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import json
 import logging
 import os
 import random
+import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from prefect import get_run_logger, task
-from prefect.artifacts import aupdate_progress_artifact, create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, sha256_hex
+from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sample_id, sha256_hex
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
-from eagle3_datagen.errors import UserError
+from eagle3_datagen.diagnosis import ServerCheckFailed, diagnose
+from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
-from tasks.health import ServerCheckFailed, diagnose
 
 SETTINGS_FILE = "generations/settings.json"
 ENDPOINT_FAILURES_BEFORE_BACKOFF = 3
 ENDPOINT_MAX_COOLDOWN_S = 30.0
+PROGRESS_PUSH_EVERY_S = 5.0
+
+Log = logging.Logger | logging.LoggerAdapter[Any]
+Admission = Literal["window", "open", "aborted"]
 
 
 class GenerationError(UserError):
@@ -70,111 +81,219 @@ class _Item:
     seed: int | None
 
 
+@dataclass(frozen=True)
+class _Outcome:
+    """How one prompt ended: answered, refused by the server (with its reason), failed, or abandoned."""
+
+    completion: Completion | None = None
+    refusal: str | None = None
+    abandoned: bool = False  # the run gave up before this prompt was answered; it stays pending
+
+
 @dataclass
 class _Endpoint:
     url: str
     client: OpenAIClient
     in_flight: int = 0
-    failures: int = 0
+    failures: int = 0  # in a row, while up
     trips: int = 0
+    down_since: float | None = None
     available_at: float = 0.0
+    trial_in_flight: bool = False
     sent: int = 0
 
 
 class EndpointPool:
-    """The shared in-flight budget: picks the endpoint with the most free slots, backs off failing ones."""
+    """The shared in-flight budget: picks the endpoint with the most free slots, backs off failing ones.
 
-    def __init__(self, endpoints: list[_Endpoint], budget: int, backoff_s: float) -> None:
+    A failing endpoint is marked down after three failures in a row and then gets one trial request per
+    cool-down (1, 2, 4… up to 30 s) until one succeeds. The pool closes, and the run gives up, after
+    `max_consecutive_errors` counted failures in a row, or once every endpoint has been down with no success
+    for `give_up_after_s`. Failures of requests already in flight when their endpoint went down are not
+    counted: one outage is one event, not a burst of them.
+    """
+
+    def __init__(self, endpoints: list[_Endpoint], server: ServerConfig, log: Log) -> None:
         self.endpoints = endpoints
-        self.budget = budget
-        self._backoff_s = backoff_s
+        self.budget = server.max_in_flight
+        self._server = server
+        self._log = log
         self._changed = asyncio.Condition()
+        self._timers: list[asyncio.TimerHandle] = []
+        self._wakers: set[asyncio.Task[None]] = set()
+        self.consecutive_errors = 0
+        self.last_success = time.monotonic()
+        self.last_error = ""
+        self.gave_up: str | None = None
 
-    async def acquire(self) -> _Endpoint:
+    def _ready(self, endpoint: _Endpoint, now: float) -> bool:
+        if endpoint.down_since is None:
+            return endpoint.in_flight < self.budget
+        return now >= endpoint.available_at and not endpoint.trial_in_flight
+
+    async def acquire(self) -> tuple[_Endpoint, bool] | None:
+        """(endpoint, is a trial of a down endpoint) with a slot taken; None once the pool has given up."""
         async with self._changed:
-            while True:
+            while self.gave_up is None:
                 now = time.monotonic()
-                ready = [e for e in self.endpoints if e.in_flight < self.budget and e.available_at <= now]
+                ready = [e for e in self.endpoints if self._ready(e, now)]
                 if ready:
                     chosen = max(ready, key=lambda e: self.budget - e.in_flight)
+                    trial = chosen.down_since is not None
+                    chosen.trial_in_flight |= trial
                     chosen.in_flight += 1
                     chosen.sent += 1
-                    return chosen
-                waits = [e.available_at - now for e in self.endpoints if e.available_at > now]
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), timeout=min(waits) if waits else None)
+                    return chosen, trial
+                await self._changed.wait()
+            return None
 
-    async def release(self, endpoint: _Endpoint, healthy: bool) -> None:
-        """Return a slot; three failures in a row open the endpoint's breaker for a growing cool-down.
-
-        Failures of requests that were already in flight when the breaker opened do not lengthen it, so an
-        endpoint that comes back is tried again within `ENDPOINT_MAX_COOLDOWN_S`.
-        """
+    async def release(self, endpoint: _Endpoint, trial: bool, error: RequestFailed | None) -> None:
+        """Return a slot; `error` is a server or transport failure (a refusal is a healthy answer)."""
         async with self._changed:
             endpoint.in_flight -= 1
+            endpoint.trial_in_flight &= not trial
             now = time.monotonic()
-            if healthy:
-                endpoint.failures = endpoint.trips = 0
-            elif endpoint.available_at <= now:
-                endpoint.failures += 1
-                if endpoint.failures >= ENDPOINT_FAILURES_BEFORE_BACKOFF:
-                    cooldown = min(ENDPOINT_MAX_COOLDOWN_S, self._backoff_s * 2**endpoint.trips)
-                    endpoint.available_at = now + cooldown
-                    endpoint.trips += 1
-                    endpoint.failures = 0
+            if error is None:
+                self._succeeded(endpoint, now)
+            elif endpoint.down_since is None or trial:
+                self._failed(endpoint, trial, error, now)
+            self.check(now)
             self._changed.notify_all()
+
+    def _succeeded(self, endpoint: _Endpoint, now: float) -> None:
+        self.consecutive_errors = endpoint.failures = endpoint.trips = 0
+        self.last_success = now
+        if endpoint.down_since is not None:
+            self._log.warning("endpoint %s recovered after %.0fs down", endpoint.url, now - endpoint.down_since)
+            endpoint.down_since = None
+
+    def _failed(self, endpoint: _Endpoint, trial: bool, error: RequestFailed, now: float) -> None:
+        self.consecutive_errors += 1
+        self.last_error = str(error)
+        if not trial:
+            endpoint.failures += 1
+            if endpoint.failures < ENDPOINT_FAILURES_BEFORE_BACKOFF:
+                return
+            endpoint.down_since = now
+        cooldown = min(ENDPOINT_MAX_COOLDOWN_S, self._server.retry_backoff_s * 2**endpoint.trips)
+        endpoint.trips += 1
+        endpoint.failures = 0
+        endpoint.available_at = now + cooldown
+        if not trial:
+            self._log.warning("endpoint %s is down (%d failures in a row, last: %s): backing off, next try in %.1fs",
+                              endpoint.url, ENDPOINT_FAILURES_BEFORE_BACKOFF, error, cooldown)
+        self._timers.append(asyncio.get_running_loop().call_later(cooldown, self._wake))
+
+    def _wake(self) -> None:
+        """A cool-down ended: let waiting workers look again."""
+        waker = asyncio.get_running_loop().create_task(self._notify())
+        self._wakers.add(waker)
+        waker.add_done_callback(self._wakers.discard)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    def check(self, now: float) -> None:
+        """Give up (and wake every waiting worker) when the servers are judged gone."""
+        if self.gave_up is not None:
+            return
+        limit = self._server.max_consecutive_errors
+        silent = now - self.last_success
+        all_down = all(e.down_since is not None for e in self.endpoints)
+        if self.consecutive_errors >= limit:
+            self.gave_up = f"{self.consecutive_errors} requests in a row failed (server.max_consecutive_errors {limit})"
+        elif all_down and silent >= self._server.give_up_after_s:
+            self.gave_up = (f"no endpoint answered successfully for {silent:.0f}s "
+                            f"(server.give_up_after_s {self._server.give_up_after_s:.0f})")
+        else:
+            return
+        self.gave_up += f"; last error: {self.last_error}"
+        self._changed.notify_all()
+
+    async def check_now(self) -> None:
+        async with self._changed:
+            self.check(time.monotonic())
+
+    def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()
 
 
 class ProbationGate:
-    """Lets only the first N requests of a run out until their reasoning is checked.
+    """Lets only the first N requests of a run out until their answers are checked.
 
-    This bounds the cost of a run that was never told to think (or whose reasoning nobody reads) to N requests.
+    This bounds the cost of a run that was never told to think, whose reasoning nobody reads, or whose every
+    request the server refuses (a context too small for max_tokens, say) to N requests.
     """
 
-    def __init__(self, size: int, max_empty_rate: float, check: Callable[[list[Completion]], None]) -> None:
+    def __init__(self, size: int, validation: ValidationConfig, check: Callable[[list[Completion]], None]) -> None:
         self.size = size
-        self.max_empty_rate = max_empty_rate
+        self._validation = validation
         self._check = check
         self._started = 0
         self._finished = 0
         self._results: list[Completion] = []
+        self._refusals: list[str] = []
         self._open = asyncio.Event()
-        self._error: BaseException | None = None
+        self.error: GenerationError | None = None
+        self._abandoned = False
         if size == 0:
             self._open.set()
 
-    async def admit(self) -> None:
+    @property
+    def passed(self) -> bool:
+        return self._open.is_set() and self.error is None and not self._abandoned
+
+    def abandon(self) -> None:
+        """The run gave up before the window was judged: let every waiting worker go and stop."""
+        self._abandoned = True
+        self._open.set()
+
+    async def admit(self) -> Admission:
         if not self._open.is_set() and self._started < self.size:
             self._started += 1
-            return
+            return "window"
         await self._open.wait()
-        if self._error is not None:
-            raise self._error
+        return "open" if self.error is None else "aborted"
 
-    def observe(self, completion: Completion | None) -> None:
-        """Count a finished request of the probation window (None: it ended without a completion)."""
+    def observe(self, outcome: _Outcome) -> None:
+        """Count a finished request of the window."""
         if self._open.is_set():
             return
         self._finished += 1
-        if completion is not None:
-            self._results.append(completion)
+        if outcome.completion is not None:
+            self._results.append(outcome.completion)
+        if outcome.refusal is not None:
+            self._refusals.append(outcome.refusal)
         if self._finished >= self.size:
-            self._evaluate()
+            self.error = self._verdict()
+            self._open.set()
 
-    def _evaluate(self) -> None:
+    def _verdict(self) -> GenerationError | None:
+        answered = len(self._results) + len(self._refusals)
+        refused_rate = len(self._refusals) / max(1, answered)
+        if self._refusals and refused_rate > 1 - self._validation.min_accepted_rate:
+            reason, _ = Counter(self._refusals).most_common(1)[0]
+            return GenerationError(
+                f"early abort: the server refused {len(self._refusals)} of the first {answered} requests "
+                f"({refused_rate:.0%}; validation.min_accepted_rate {self._validation.min_accepted_rate:.0%} "
+                f"cannot be met): {reason}"
+            )
         empty = [c for c in self._results if not c.reasoning.strip()]
         rate = len(empty) / max(1, len(self._results))
-        if empty and rate > self.max_empty_rate:
-            try:
-                self._check(empty)
-                reason = "the server sent no reasoning for them"
-            except ServerCheckFailed as diagnosis:
-                reason = str(diagnosis)
-            self._error = GenerationError(
-                f"early abort: {len(empty)} of the first {len(self._results)} records have empty reasoning "
-                f"({rate:.0%} > validation.max_empty_reasoning_rate {self.max_empty_rate:.0%}); {reason}"
-            )
-        self._open.set()
+        if not empty or rate <= self._validation.max_empty_reasoning_rate:
+            return None
+        try:
+            self._check(empty)
+            reason = "the server sent no reasoning for them"
+        except ServerCheckFailed as diagnosis:
+            reason = str(diagnosis)
+        return GenerationError(
+            f"early abort: {len(empty)} of the first {len(self._results)} records have empty reasoning "
+            f"({rate:.0%} > validation.max_empty_reasoning_rate {self._validation.max_empty_reasoning_rate:.0%}); "
+            f"{reason}"
+        )
 
 
 def partial_log_path(store: RunStore, index: int) -> Path:
@@ -188,7 +307,11 @@ def partial_log_path(store: RunStore, index: int) -> Path:
 
 
 def read_partial_log(path: Path) -> dict[int, dict[str, Any]]:
-    """Finished entries by position; a torn last line (killed mid-write) is ignored."""
+    """Finished entries by position; a torn last line (killed mid-write) is ignored.
+
+    A `discard` line voids the entry before it at that position (records of an aborted early-abort window),
+    so the prompt is asked again once the cause is fixed.
+    """
     done: dict[int, dict[str, Any]] = {}
     if not path.exists():
         return done
@@ -197,7 +320,10 @@ def read_partial_log(path: Path) -> dict[int, dict[str, Any]]:
             entry = json.loads(line)
         except json.JSONDecodeError:
             continue
-        done[entry["position"]] = entry
+        if "discard" in entry:
+            done.pop(entry["position"], None)
+        else:
+            done[entry["position"]] = entry
     return done
 
 
@@ -215,7 +341,15 @@ class _ShardState:
             self.log = self.log_path.open("a", encoding="utf-8")
         self.log.write(json.dumps(entry, ensure_ascii=False) + "\n")
         self.log.flush()
-        self.entries[entry["position"]] = entry
+        if "discard" in entry:
+            self.entries.pop(entry["position"], None)
+        else:
+            self.entries[entry["position"]] = entry
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+            self.log = None
 
     @property
     def complete(self) -> bool:
@@ -223,9 +357,9 @@ class _ShardState:
 
 
 def _record(item: _Item, done: Completion, sample: int, samples: int) -> dict[str, Any]:
-    """One generated record; with `n` samples per prompt, ids get a `:k` suffix so each stays unique."""
+    """One generated record; with `n` samples per prompt, each sample's id gets its own suffix."""
     return {
-        "id": item.record_id if samples == 1 else f"{item.record_id}:{sample}",
+        "id": sample_id(item.record_id, sample, samples),
         "messages": item.messages,
         "reasoning": done.reasoning,
         "content": done.content,
@@ -247,8 +381,7 @@ def finalize_shard(store: RunStore, state: _ShardState) -> ShardRef:
     path = artifact_path("generations", state.ref.index)
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
     store.write_bytes(path, data)
-    if state.log is not None:
-        state.log.close()
+    state.close()
     state.log_path.unlink(missing_ok=True)
     return ShardRef("generations", state.ref.index, path, len(records), sha256_hex(data))
 
@@ -269,7 +402,7 @@ def finished_shard(
     entries: dict[int, dict[str, Any]] = {}
     for line in data.decode("utf-8").splitlines():
         record = json.loads(line)
-        at = position.get(record["id"].split(":")[0])
+        at = position.get(prompt_id_of(record["id"]))
         if at is not None:
             entries.setdefault(at, {"position": at, "records": []})["records"].append(record)
     rejected = rejected_path("generations", index)
@@ -318,21 +451,228 @@ def unfinished_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: 
 
 def check_settings(store: RunStore, settings: GenerationSettings) -> None:
     """Refuse to resume or extend a run whose generations were made with other settings."""
-    fingerprint = settings.fingerprint()
-    if store.exists(SETTINGS_FILE):
-        recorded = store.read_json(SETTINGS_FILE)
-        if recorded["fingerprint"] != fingerprint:
+    if store.exists(SETTINGS_FILE) and store.read_json(SETTINGS_FILE)["fingerprint"] != settings.fingerprint():
+        raise GenerationError(
+            f"run {store.uri} was generated with other settings (model, sampling, profile or prompt "
+            f"source differ): use a new run_name, or restore the settings recorded in {SETTINGS_FILE}"
+        )
+
+
+def record_settings(store: RunStore, settings: GenerationSettings) -> None:
+    """Pin the settings once a record is kept under them (after the early-abort window passed)."""
+    if not store.exists(SETTINGS_FILE):
+        payload = json.loads(json.dumps(asdict(settings), default=lambda o: o.model_dump()))
+        store.write_json(SETTINGS_FILE, {"fingerprint": settings.fingerprint(), **payload})
+
+
+@dataclass
+class _Counts:
+    accepted: int = 0  # prompts answered (their records kept)
+    rejected: int = 0  # prompts the server refused, each with its reason
+    failed: int = 0  # prompts that failed every try
+    retries: int = 0
+    tokens: int = 0
+
+
+class GenerationScheduler:
+    """Generates every unfinished prompt of a run through one shared endpoint pool.
+
+    `plan` reads the prompt shards and resumes from finished shards and partial logs; `run` sends the rest and
+    returns the generation ShardRefs in shard order, or raises a GenerationError that says what to do next.
+    """
+
+    def __init__(self, store: RunStore, settings: GenerationSettings, server: ServerConfig,
+                 validation: ValidationConfig, log: Log, progress_every_s: float = 5.0,
+                 on_progress: Callable[[float], None] | None = None) -> None:
+        self.store = store
+        self.settings = settings
+        self.server = server
+        self.validation = validation
+        self.log = log
+        self.progress_every_s = progress_every_s
+        self.on_progress = on_progress
+        self.finished: dict[int, ShardRef] = {}
+        self.states: dict[int, _ShardState] = {}
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.counts = _Counts()
+        self.total = 0
+        self._window: list[_Item] = []
+        self._swept = False  # shards completed inside the window were finalized once it passed
+        self._kept_before = False  # the run already held records when this attempt started
+        self._run_budget: Callable[[str], AbstractAsyncContextManager[Any]] = _no_shared_budget
+
+    def plan(self, prompt_shards: list[ShardRef]) -> None:
+        check_settings(self.store, self.settings)
+        seed_base = self.settings.generation.seed
+        for ref in prompt_shards:
+            prompts = self.store.read_jsonl(ref.path)
+            previous = finished_shard(self.store, ref.index, prompts)
+            if previous is not None and len(previous[1]) == len(prompts):
+                self.finished[ref.index] = previous[0]
+                continue
+            state = _ShardState(ref, len(prompts), partial_log_path(self.store, ref.index))
+            state.entries = {**(previous[1] if previous else {}), **read_partial_log(state.log_path)}
+            self.states[ref.index] = state
+            for position, prompt in enumerate(prompts):
+                if position not in state.entries:
+                    seed = None if seed_base is None else seed_base + prompt["row"]
+                    self.queue.put_nowait(_Item(ref.index, position, prompt["id"], prompt["messages"], seed))
+        self._kept_before = bool(self.finished) or any(state.entries for state in self.states.values())
+        for index, state in list(self.states.items()):
+            if state.complete:
+                self._finalize(index)
+
+    def _finalize(self, index: int) -> None:
+        self.finished[index] = finalize_shard(self.store, self.states.pop(index))
+
+    async def run(self, prompt_shards: list[ShardRef]) -> list[ShardRef]:
+        self.plan(prompt_shards)
+        self.total = self.queue.qsize()
+        if self.total == 0:
+            return [self.finished[r.index] for r in prompt_shards]
+        if self.server.share_budget_across_runs:
+            self._run_budget = await shared_budget(self.server)
+        key = api_key(self.server)
+        clients = [OpenAIClient(url, key, self.server.request_timeout_s, self.server.max_in_flight)
+                   for url in self.server.endpoints]
+        self.pool = EndpointPool([_Endpoint(c.base_url, c) for c in clients], self.server, self.log)
+        settings = self.settings
+        self.gate = ProbationGate(
+            min(self.validation.early_abort_after, self.total), self.validation,
+            lambda empty: diagnose("the server", [settings.model], empty, settings.profile,
+                                   self.validation.allow_inline_reasoning),
+        )
+        self.started_at = time.monotonic()
+        workers = [asyncio.create_task(self._worker()) for _ in range(self.server.max_in_flight * len(clients))]
+        reporter = asyncio.create_task(self._report())
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for pending in [*workers, reporter]:
+                pending.cancel()
+            await asyncio.gather(*workers, reporter, return_exceptions=True)
+            self.pool.close()
+            for state in self.states.values():
+                state.close()
+            await asyncio.gather(*(c.aclose() for c in clients))
+        self._raise_if_short()
+        self.log.info("generation done: %d prompts, %d retries, %.1fs", self.total, self.counts.retries,
+                      time.monotonic() - self.started_at)
+        return [self.finished[r.index] for r in prompt_shards]
+
+    async def _worker(self) -> None:
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
+            admission = await self.gate.admit()
+            if admission == "aborted":
+                return
+            if admission == "window":
+                self._window.append(item)
+            outcome = await self._send(item)
+            if outcome.abandoned:
+                self.gate.abandon()
+                return
+            self.gate.observe(outcome)
+            if self.gate.error is not None:
+                return
+            if self.gate.passed:
+                self._after_pass(item)
+
+    def _after_pass(self, item: _Item) -> None:
+        """Finalize shards as they complete; the first time, also those completed inside the window."""
+        if not self._swept:
+            self._swept = True
+            record_settings(self.store, self.settings)
+            for index in [i for i, state in self.states.items() if state.complete]:
+                self._finalize(index)
+        elif item.shard in self.states and self.states[item.shard].complete:
+            self._finalize(item.shard)
+
+    async def _send(self, item: _Item) -> _Outcome:
+        settings = self.settings
+        body = build_chat_request(settings.model, item.messages, settings.profile, settings.generation,
+                                  seed=item.seed)
+        for attempt in range(self.server.max_retries + 1):
+            slot = await self.pool.acquire()
+            if slot is None:
+                return _Outcome(abandoned=True)
+            endpoint, trial = slot
+            try:
+                async with self._run_budget(endpoint.url):
+                    completions = await endpoint.client.chat(body, settings.profile)
+            except RequestFailed as error:
+                await self.pool.release(endpoint, trial, error if error.retryable else None)
+                if not error.retryable:
+                    self.states[item.shard].append({"position": item.position, "rejected": {
+                        "id": item.record_id, "stage": "generations", "reason": str(error)}})
+                    self.counts.rejected += 1
+                    return _Outcome(refusal=str(error))
+                if attempt == self.server.max_retries:
+                    self.counts.failed += 1
+                    self.log.debug("record %s not generated after %d tries: %s", item.record_id, attempt + 1, error)
+                    return _Outcome()
+                self.counts.retries += 1
+                await asyncio.sleep(self.server.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5))
+                continue
+            await self.pool.release(endpoint, trial, None)
+            records = [_record(item, done, k, len(completions)) for k, done in enumerate(completions)]
+            self.states[item.shard].append({"position": item.position, "records": records})
+            self.counts.accepted += 1
+            self.counts.tokens += int(completions[0].usage.get("completion_tokens") or 0)
+            return _Outcome(completion=completions[0])
+        raise AssertionError("unreachable")
+
+    def _remaining(self) -> int:
+        return self.total - self.counts.accepted - self.counts.rejected - self.counts.failed
+
+    async def _report(self) -> None:
+        """Every `progress_every_s`: counts, rates and in flight; an ETA only while requests complete."""
+        done_before = 0
+        while True:
+            await asyncio.sleep(self.progress_every_s)
+            await self.pool.check_now()
+            counts, elapsed = self.counts, time.monotonic() - self.started_at
+            done = self.total - self._remaining()
+            recent = (done - done_before) / self.progress_every_s
+            done_before = done
+            eta = f"ETA {self._remaining() / recent:.0f}s" if recent else "ETA unknown (no request completed lately)"
+            flights = " ".join(f"{e.url}={e.in_flight}" for e in self.pool.endpoints)
+            self.log.info("generation: %d accepted, %d rejected, %d failed, %d remaining  %.1f req/s  %.0f tok/s  "
+                          "in flight %s  %s", counts.accepted, counts.rejected, counts.failed, self._remaining(),
+                          done / elapsed, counts.tokens / elapsed, flights, eta)
+            if self.on_progress is not None:
+                self.on_progress(100.0 * done / self.total)
+
+    def _raise_if_short(self) -> None:
+        """Turn an unfinished generation into one error that says what was kept and what to do."""
+        if self.gate.error is not None:
+            self._discard_window()
+            raise self.gate.error
+        kept = sum(ref.num_records for ref in self.finished.values()) + sum(
+            len(state.entries) for state in self.states.values())
+        if self.pool.gave_up is not None:
             raise GenerationError(
-                f"run {store.uri} was generated with other settings (model, sampling, profile or prompt "
-                "source differ): use a new run_name, or restore the settings recorded in "
-                f"{SETTINGS_FILE}"
+                f"gave up: {self.pool.gave_up}. {kept} finished records are kept: fix the servers, then run "
+                "again to resume"
             )
-        return
-    store.write_json(SETTINGS_FILE, {"fingerprint": fingerprint, **_settings_json(settings)})
+        unfinished = sorted(self.states)
+        if unfinished:
+            raise GenerationError(
+                f"{self.counts.failed} records could not be generated (servers unreachable or failing) in shards "
+                f"{unfinished}; finished records are kept: run again to resume"
+            )
 
-
-def _settings_json(settings: GenerationSettings) -> dict[str, Any]:
-    return json.loads(json.dumps(asdict(settings), default=lambda o: o.model_dump()))
+    def _discard_window(self) -> None:
+        """Void what the aborted window produced, so a run after the fix asks those prompts again."""
+        reason = "early abort window"
+        for item in self._window:
+            state = self.states.get(item.shard)
+            if state is not None and item.position in state.entries:
+                state.append({"position": item.position, "discard": reason})
+        for state in self.states.values():
+            state.close()
+        if not self._kept_before:
+            self.store.remove(SETTINGS_FILE)
 
 
 async def generate_async(
@@ -341,136 +681,51 @@ async def generate_async(
     settings: GenerationSettings,
     server: ServerConfig,
     validation: ValidationConfig,
-    log: logging.Logger | logging.LoggerAdapter[Any],
+    log: Log,
     progress_every_s: float = 5.0,
-    on_progress: Callable[[float], Awaitable[Any]] | None = None,
+    on_progress: Callable[[float], None] | None = None,
 ) -> list[ShardRef]:
-    """Generate every unfinished shard; returns the generation ShardRefs in shard order.
-
-    Every `progress_every_s` a line with done/total, requests/s, tokens/s, in flight per endpoint and ETA
-    goes to `log`, and the percentage done to `on_progress` (the task shows it as a Prefect artifact).
-    """
-    check_settings(store, settings)
-    finished: dict[int, ShardRef] = {}
-    states: dict[int, _ShardState] = {}
-    queue: asyncio.Queue[_Item] = asyncio.Queue()
-    for ref in prompt_shards:
-        prompts = store.read_jsonl(ref.path)
-        previous = finished_shard(store, ref.index, prompts)
-        if previous is not None and len(previous[1]) == len(prompts):
-            finished[ref.index] = previous[0]
-            continue
-        state = _ShardState(ref, len(prompts), partial_log_path(store, ref.index))
-        state.entries = {**(previous[1] if previous else {}), **read_partial_log(state.log_path)}
-        states[ref.index] = state
-        for position, prompt in enumerate(prompts):
-            if position in state.entries:
-                continue
-            seed = None if settings.generation.seed is None else settings.generation.seed + prompt["row"]
-            queue.put_nowait(_Item(ref.index, position, prompt["id"], prompt["messages"], seed))
-    for index, state in list(states.items()):
-        if state.complete:
-            finished[index] = finalize_shard(store, state)
-            del states[index]
-    total = queue.qsize()
-    if total == 0:
-        return [finished[r.index] for r in prompt_shards]
-
-    run_budget = await shared_budget(server) if server.share_budget_across_runs else _no_shared_budget
-    key = api_key(server)
-    clients = [OpenAIClient(url, key, server.request_timeout_s, server.max_in_flight) for url in server.endpoints]
-    pool = EndpointPool([_Endpoint(c.base_url, c) for c in clients], server.max_in_flight, server.retry_backoff_s)
-    gate = ProbationGate(
-        min(validation.early_abort_after, total),
-        validation.max_empty_reasoning_rate,
-        lambda empty: diagnose("the server", [settings.model], empty, settings.profile,
-                               validation.allow_inline_reasoning),
-    )
-    stats = {"done": 0, "tokens": 0, "retries": 0, "failed": 0}
-    started_at = time.monotonic()
-
-    async def send(item: _Item) -> Completion | None:
-        body = build_chat_request(settings.model, item.messages, settings.profile, settings.generation,
-                                  seed=item.seed)
-        for attempt in range(server.max_retries + 1):
-            endpoint = await pool.acquire()
-            try:
-                async with run_budget(endpoint.url):
-                    completions = await endpoint.client.chat(body, settings.profile)
-            except RequestFailed as error:
-                await pool.release(endpoint, healthy=not error.retryable)
-                if not error.retryable:
-                    states[item.shard].append({"position": item.position, "rejected": {
-                        "id": item.record_id, "stage": "generations", "reason": str(error)}})
-                    return None
-                if attempt == server.max_retries:
-                    stats["failed"] += 1
-                    log.warning("record %s not generated after %d tries: %s", item.record_id, attempt + 1, error)
-                    return None
-                stats["retries"] += 1
-                await asyncio.sleep(server.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5))
-                continue
-            await pool.release(endpoint, healthy=True)
-            samples = len(completions)
-            records = [_record(item, done, k, samples) for k, done in enumerate(completions)]
-            states[item.shard].append({"position": item.position, "records": records})
-            stats["tokens"] += int(completions[0].usage.get("completion_tokens") or 0)
-            return completions[0]
-        return None
-
-    async def worker() -> None:
-        while True:
-            try:
-                item = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            await gate.admit()
-            completion = await send(item)
-            gate.observe(completion)
-            stats["done"] += 1
-            state = states[item.shard]
-            if state.complete:
-                finished[item.shard] = finalize_shard(store, state)
-
-    async def report_progress() -> None:
-        while True:
-            await asyncio.sleep(progress_every_s)
-            elapsed = time.monotonic() - started_at
-            rate = stats["done"] / elapsed
-            eta = (total - stats["done"]) / rate if rate else float("inf")
-            flights = " ".join(f"{e.url}={e.in_flight}" for e in pool.endpoints)
-            log.info("generation %d/%d  %.1f req/s  %.0f tok/s  in flight %s  ETA %.0fs",
-                     stats["done"], total, rate, stats["tokens"] / elapsed, flights, eta)
-            if on_progress is not None:
-                await on_progress(100.0 * stats["done"] / total)
-
-    workers = [asyncio.create_task(worker()) for _ in range(server.max_in_flight * len(clients))]
-    reporter = asyncio.create_task(report_progress())
-    try:
-        await asyncio.gather(*workers)
-    except BaseException:
-        for pending in workers:
-            pending.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-        raise
-    finally:
-        reporter.cancel()
-        for state in states.values():
-            if state.log is not None:
-                state.log.close()
-        await asyncio.gather(*(c.aclose() for c in clients))
-    unfinished = [i for i in states if i not in finished]
-    if unfinished:
-        raise GenerationError(
-            f"{stats['failed']} records could not be generated (servers unreachable or failing) in shards "
-            f"{unfinished}; finished records are kept: run again to resume"
-        )
-    log.info("generation done: %d requests, %d retries, %.1fs", total, stats["retries"],
-             time.monotonic() - started_at)
-    return [finished[r.index] for r in prompt_shards]
+    """Generate every unfinished shard; returns the generation ShardRefs in shard order."""
+    scheduler = GenerationScheduler(store, settings, server, validation, log, progress_every_s, on_progress)
+    return await scheduler.run(prompt_shards)
 
 
-@task(name="generate", retries=1, persist_result=True, cache_policy=STAGE_CACHE - "server")
+class _ProgressArtifact:
+    """The Prefect progress artifact, pushed from a thread: the event loop never waits on the Prefect API."""
+
+    def __init__(self, description: str) -> None:
+        self._id = create_progress_artifact(0.0, key="generation-progress", description=description)
+        self._percent = self._shown = 0.0
+        self._stop = threading.Event()
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=lambda: context.run(self._push), daemon=True)
+
+    def set(self, percent: float) -> None:
+        self._percent = percent
+
+    def _push(self) -> None:
+        while not self._stop.wait(PROGRESS_PUSH_EVERY_S):
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._percent != self._shown:
+            self._shown = self._percent
+            update_progress_artifact(self._id, self._shown)
+
+    def __enter__(self) -> _ProgressArtifact:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=PROGRESS_PUSH_EVERY_S * 2)
+        if exc[0] is None:
+            self._percent = 100.0
+        self._flush()
+
+
+@task(name="generate", retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
+      cache_policy=STAGE_CACHE - "server")
 def generate(
     prompt_shards: list[ShardRef],
     settings: GenerationSettings,
@@ -481,9 +736,6 @@ def generate(
 ) -> list[ShardRef]:
     """Generate all shards with one shared in-flight budget; resumes from partial logs."""
     store = RunStore(output_uri, run_name)
-    artifact = create_progress_artifact(0.0, key="generation-progress", description=f"generation of {run_name}")
-
-    done = asyncio.run(generate_async(store, prompt_shards, settings, server, validation, get_run_logger(),
-                                      on_progress=lambda percent: aupdate_progress_artifact(artifact, percent)))
-    update_progress_artifact(artifact, 100.0)
-    return done
+    with _ProgressArtifact(f"generation of {run_name}") as progress:
+        return asyncio.run(generate_async(store, prompt_shards, settings, server, validation, get_run_logger(),
+                                          on_progress=progress.set))

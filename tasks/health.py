@@ -7,38 +7,25 @@ field nobody reads. Each of these stops the run here, before the first shard, wi
 from __future__ import annotations
 
 import asyncio
+import heapq
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from transformers import PreTrainedTokenizerBase
 
 from eagle3_datagen.artifacts import MANIFEST, ShardRef
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
-from eagle3_datagen.errors import UserError
+from eagle3_datagen.diagnosis import ProbeFinding, ServerCheckFailed, diagnose
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
+from eagle3_datagen.think_tokens import load_tokenizer, render_generation_prompt
 
 PROBE_MAX_TOKENS = 256
 PROBE_CANDIDATES = 16  # prompts the probe may try, in order, until probe_requests are answered
-
-
-class ServerCheckFailed(UserError):
-    """The servers are not fit for this run; the message says what to fix."""
-
-
-@dataclass(frozen=True)
-class ProbeFinding:
-    """What the probe saw on one endpoint, recorded in the manifest."""
-
-    endpoint: str
-    served_models: list[str]
-    reasoning_field: str
-    thinking_on: bool
-    parser_split_tags: bool
-    token_ids_returned: bool
-    reasoning_chars: int
+LONGEST_CANDIDATES = 8  # the longest prompts by characters, rendered to find the longest in tokens
 
 
 async def wait_until_healthy(client: OpenAIClient, timeout_s: float) -> None:
@@ -60,56 +47,27 @@ def check_served_model(endpoint: str, served: list[str], model: str) -> None:
         )
 
 
-def diagnose(
-    endpoint: str,
-    served: list[str],
-    completions: list[Completion],
-    profile: ModelProfile,
-    allow_inline: bool,
-) -> ProbeFinding:
-    """Turn the probe's completions into a finding, or a ServerCheckFailed that names the fix."""
-    parser_hint = f"restart vLLM with --reasoning-parser {profile.reasoning_parser}"
-    for done in completions:
-        if done.model and done.model not in served:
-            raise ServerCheckFailed(f"{endpoint} answered as model {done.model!r}, not one of {served}")
-        if done.prompt_token_ids is None or done.completion_token_ids is None:
-            raise ServerCheckFailed(
-                f"{endpoint} returned no token ids for `return_token_ids`: use vLLM >= 0.10.2 "
-                "(exact sequences need the server's own ids)"
-            )
-        tags_in_content = profile.think_start in done.content or profile.think_end in done.content
-        if done.reasoning_source == "inline" and not allow_inline:
-            raise ServerCheckFailed(
-                f"{endpoint} sends reasoning inline in content (`...{profile.think_end}`): the server has no "
-                f"reasoning parser: {parser_hint}, or set validation.allow_inline_reasoning: true"
-            )
-        if done.reasoning_source == "none" and tags_in_content:
-            raise ServerCheckFailed(
-                f"{endpoint} sends think tags inside content: the server has no reasoning parser: {parser_hint}"
-            )
-        if done.reasoning_source == "none" and done.unread_fields:
-            names = ", ".join(sorted(done.unread_fields))
-            raise ServerCheckFailed(
-                f"{endpoint} put text in message field(s) {names} that this run does not read as reasoning "
-                "(it reads `reasoning`, `reasoning_content`, or inline tags): use a vLLM server with "
-                f"--reasoning-parser {profile.reasoning_parser}"
-            )
-        if not done.reasoning.strip():
-            switch = profile.chat_template_kwargs or {"reasoning_effort": profile.reasoning_effort}
-            raise ServerCheckFailed(
-                f"{endpoint} returned no reasoning with thinking switched on ({switch}): thinking is off or "
-                f"the switch is ignored: check model.profile matches the served model and {parser_hint}"
-            )
-    first = completions[0]
-    return ProbeFinding(
-        endpoint=endpoint,
-        served_models=served,
-        reasoning_field=first.reasoning_source,
-        thinking_on=True,
-        parser_split_tags=first.reasoning_source != "inline",
-        token_ids_returned=True,
-        reasoning_chars=min(len(c.reasoning) for c in completions),
+def check_context_length(endpoint: str, max_model_len: int | None, max_tokens: int, longest_prompt: int) -> None:
+    """Every request must fit the served context: otherwise the server refuses it and the run produces nothing."""
+    if max_model_len is None or max_tokens + longest_prompt <= max_model_len:
+        return
+    fits = max_model_len - longest_prompt
+    lower = f"set generation.max_tokens <= {fits} or " if fits > 0 else ""
+    raise ServerCheckFailed(
+        f"{endpoint} serves a context of {max_model_len} tokens (max_model_len), but generation.max_tokens "
+        f"{max_tokens} plus the longest prompt ({longest_prompt} tokens) needs {max_tokens + longest_prompt}: "
+        f"{lower}serve with --max-model-len >= {max_tokens + longest_prompt}"
     )
+
+
+def longest_prompt_tokens(
+    store: RunStore, prompt_shards: list[ShardRef], tokenizer: PreTrainedTokenizerBase, profile: ModelProfile
+) -> int:
+    """Tokens of the longest rendered prompt: the longest few by characters are rendered and counted."""
+    conversations = (record["messages"] for ref in prompt_shards for record in store.read_jsonl(ref.path))
+    longest = heapq.nlargest(LONGEST_CANDIDATES, conversations, key=lambda ms: sum(len(m["content"]) for m in ms))
+    rendered = [render_generation_prompt(tokenizer, messages, profile) for messages in longest]
+    return max((len(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]), default=0)
 
 
 async def check_endpoint(
@@ -120,12 +78,14 @@ async def check_endpoint(
     generation: GenerationConfig,
     validation: ValidationConfig,
     probe_prompts: list[list[dict[str, str]]],
+    longest_prompt: int = 0,
 ) -> ProbeFinding:
-    """Health, served model, then the reasoning probe on one endpoint."""
+    """Health, served model and its context length, then the reasoning probe on one endpoint."""
     async with OpenAIClient(endpoint, api_key(server), server.request_timeout_s) as client:
         await wait_until_healthy(client, server.startup_timeout_s)
         served = await client.served_models()
-        check_served_model(endpoint, served, model)
+        check_served_model(endpoint, list(served), model)
+        check_context_length(endpoint, served[model], generation.max_tokens, longest_prompt)
         max_tokens = min(generation.max_tokens, PROBE_MAX_TOKENS)
         completions: list[Completion] = []
         refused: list[str] = []
@@ -141,7 +101,7 @@ async def check_endpoint(
                 break
         if not completions:
             raise ServerCheckFailed(f"{endpoint} refused every probe request: {refused[-1] if refused else 'none'}")
-        return diagnose(endpoint, served, completions, profile, validation.allow_inline_reasoning)
+        return diagnose(endpoint, list(served), completions, profile, validation.allow_inline_reasoning)
 
 
 async def check_servers_async(
@@ -151,11 +111,12 @@ async def check_servers_async(
     generation: GenerationConfig,
     validation: ValidationConfig,
     probe_prompts: list[list[dict[str, str]]],
+    longest_prompt: int = 0,
 ) -> list[ProbeFinding]:
     return list(
         await asyncio.gather(
             *(
-                check_endpoint(url, model, profile, server, generation, validation, probe_prompts)
+                check_endpoint(url, model, profile, server, generation, validation, probe_prompts, longest_prompt)
                 for url in server.endpoints
             )
         )
@@ -169,17 +130,20 @@ def check_servers(
     server: ServerConfig,
     generation: GenerationConfig,
     validation: ValidationConfig,
-    probe_shard: ShardRef,
+    prompt_shards: list[ShardRef],
+    tokenizer: str,
     output_uri: str,
     run_name: str,
 ) -> list[ProbeFinding]:
-    """Fail the run before generation unless every endpoint is up, serves the model, and reasons visibly.
+    """Fail the run before generation unless every endpoint is up, serves the model with room for the longest
+    prompt plus max_tokens, and reasons visibly.
 
     The probe sends the run's first prompts with the run's own settings, so it tests what generation will do.
     """
     store = RunStore(output_uri, run_name)
-    prompts = [record["messages"] for record in store.read_jsonl(probe_shard.path)[:PROBE_CANDIDATES]]
-    findings = asyncio.run(check_servers_async(model, profile, server, generation, validation, prompts))
+    prompts = [record["messages"] for record in store.read_jsonl(prompt_shards[0].path)[:PROBE_CANDIDATES]]
+    longest = longest_prompt_tokens(store, prompt_shards, load_tokenizer(tokenizer), profile)
+    findings = asyncio.run(check_servers_async(model, profile, server, generation, validation, prompts, longest))
     manifest = store.read_json(MANIFEST)
     manifest["probe"] = [asdict(finding) for finding in findings]
     store.write_json(MANIFEST, manifest)

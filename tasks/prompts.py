@@ -20,7 +20,7 @@ from prefect import task
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
-from eagle3_datagen.errors import ConfigurationError, UserError
+from eagle3_datagen.errors import ConfigurationError, retry_unless_user_error
 from eagle3_datagen.storage import RunStore
 
 PromptFormat = Literal["auto", "sharegpt", "openai"]
@@ -252,18 +252,7 @@ def read_prompt_shard(store: RunStore, ref: ShardRef) -> list[dict[str, Any]]:
     return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
 
 
-def _retry_unless_bad_input(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry transient failures (a hub hiccup), not a dataset that will fail the same way again."""
-    try:
-        state.result()
-    except UserError:
-        return False
-    except Exception:
-        return True
-    return False
-
-
-@task(name="load-prompts", retries=1, retry_condition_fn=_retry_unless_bad_input, persist_result=True,
+@task(name="load-prompts", retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
       cache_policy=STAGE_CACHE)
 def load_prompts(data: DataConfig, source_fingerprint: str, output_uri: str, run_name: str) -> PromptLoadResult:
     """Prefect task: stage 2 for the run folder `{output_uri}/{run_name}`.

@@ -24,7 +24,7 @@ from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConf
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
 from eagle3_datagen.storage import RunStore
-from tasks.generation import GenerationError, GenerationSettings, generate_async
+from tasks.generation import GenerationError, GenerationSettings, generate_async, partial_log_path, read_partial_log
 
 QWEN3 = BUILTIN_PROFILES["qwen3"]
 
@@ -209,7 +209,7 @@ def test_progress_is_reported_while_generating(tmp_path: Path) -> None:
     refs = write_prompt_shards(store, 2, 10)
     seen: list[float] = []
 
-    async def record(percent: float) -> None:
+    def record(percent: float) -> None:
         seen.append(percent)
 
     with ScriptedServer(Script(latency_s=0.1)) as server:
@@ -227,7 +227,15 @@ def test_early_abort_spends_at_most_n_requests(tmp_path: Path) -> None:
             run_generation(store, refs, [server.url], budget=32, validation=ValidationConfig(early_abort_after=8))
         assert server.log.requests == 8
     partial = tmp_path / "abort" / "generations" / "shard-00000.partial.jsonl"
-    assert len(partial.read_text().splitlines()) == 8, "records already received are kept"
+    lines = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert sum("records" in line for line in lines) == 8, "records already received are kept"
+    assert sum("discard" in line for line in lines) == 8, "and marked, to be asked again after the fix"
+    assert not store.exists("generations/settings.json"), "nothing kept pins the settings"
+    with ScriptedServer(Script(latency_s=0.01)) as server:
+        out = run_generation(store, refs, [server.url], budget=32, validation=ValidationConfig(early_abort_after=8))
+        assert server.log.requests == 200, "the aborted window's prompts are asked again once the server is fixed"
+    for ref in out:
+        assert all(record["reasoning"].strip() for record in store.read_jsonl(ref.path))
 
 
 def test_every_record_is_captured_byte_for_byte(tmp_path: Path) -> None:
@@ -280,3 +288,65 @@ def test_concurrent_runs_share_an_endpoints_budget_through_prefect(tmp_path: Pat
                 assert server.log.max_in_flight <= ceiling
                 if not share:
                     assert server.log.max_in_flight > 4, "without sharing, two runs do oversubscribe"
+
+
+def test_a_server_that_fails_every_request_ends_the_run_after_the_consecutive_error_limit(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 2, 16)
+    started = time.monotonic()
+    with ScriptedServer(Script(faults=["http-500"] * 10_000)) as server, caplog.at_level(logging.DEBUG, "test"):
+        with pytest.raises(GenerationError, match=r"gave up: 10 requests in a row failed .*HTTP 500"):
+            run_generation(store, refs, [server.url], budget=8, max_consecutive_errors=10)
+        sent = server.log.requests
+    assert sent <= 8 + 10, "at most one budget of requests in flight plus the limit"
+    assert time.monotonic() - started < 30
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "is down" in warnings[0], "one warning per endpoint state change, none per record"
+
+
+def test_a_server_that_dies_mid_run_ends_it_within_give_up_after_s(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 3, 40)
+    server = ScriptedServer(Script(latency_s=0.02)).__enter__()
+
+    def kill() -> None:
+        while server.log.requests < 50:
+            time.sleep(0.01)
+        server.__exit__(None, None, None)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(GenerationError, match=r"no endpoint answered successfully for \d+s .*records are kept"):
+        run_generation(store, refs, [server.url], budget=4, give_up_after_s=2, max_retries=100)
+    killer.join()
+    assert time.monotonic() - started < 30
+    kept = sum(len(read_partial_log(partial_log_path(store, ref.index))) for ref in refs)
+    kept += sum(len(store.read_jsonl(artifact_path("generations", ref.index))) for ref in refs
+                if store.exists(artifact_path("generations", ref.index)))
+    assert kept >= 40, "what was answered before the server died is kept for the resume"
+
+
+def test_an_outage_the_run_survives_is_reported_once_down_and_once_recovered(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 1, 40)
+    outage = Script(latency_s=0.01)
+    with ScriptedServer(outage) as server, caplog.at_level(logging.INFO, "test"):
+        outage.faults = ["ok"] * 10 + ["http-503"] * 12
+        run_generation(store, refs, [server.url], budget=2, max_retries=20)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [w.split(" ")[2] for w in warnings] == ["is", "recovered"], warnings
+    assert assert_exactly_once(store, refs) == (40, 0)
+
+
+def test_an_early_abort_counts_refusals_and_names_the_servers_reason(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 4, 25)
+    with ScriptedServer(Script(faults=["http-400"] * 100)) as server:
+        with pytest.raises(GenerationError, match=r"early abort: the server refused 8 of the first 8 requests .*"
+                                                  r"scripted failure 400"):
+            run_generation(store, refs, [server.url], budget=4, validation=ValidationConfig(early_abort_after=8))
+        assert server.log.requests == 8
+    assert not any(store.exists(rejected_path("generations", ref.index)) for ref in refs)
