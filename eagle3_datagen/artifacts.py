@@ -2,7 +2,8 @@
 
 Layout under `{output_uri}/{run_name}/`:
   manifest.json                          config, fingerprints, think-token ids, per-shard per-stage status
-  prompts/shard-NNNNN.jsonl              {id, messages, row}
+  prompts/shard-NNNNN.jsonl              {id, messages, row, turn}
+  prompts/summary.json                   rows read, accepted and rejected, prompts, shards
   generations/shard-NNNNN.jsonl          {id, messages, reasoning, content, finish_reason, ...}
   validation/shard-NNNNN.json            counts, rates, pass/quarantine
   sequences/shard-NNNNN.parquet          {id, input_ids, loss_mask, num_tokens, source, agrees}
@@ -16,6 +17,8 @@ import hashlib
 from dataclasses import dataclass
 
 MANIFEST = "manifest.json"
+PROMPTS_SUMMARY = "prompts/summary.json"  # rows read, accepted and rejected by the prompt stage
+REJECTED_PATH = "rejected/prompts.jsonl"  # input rows that gave no prompt, with their reasons
 
 
 def shard_name(index: int) -> str:

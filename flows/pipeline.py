@@ -15,12 +15,13 @@ from tasks.generation import GenerationSettings, generate, unfinished_shards
 from tasks.health import check_servers
 from tasks.hidden_states import extract_hidden_states
 from tasks.prompts import load_prompts
-from tasks.report import finish_run, recorded_config, start_run
+from tasks.report import finish_run, record_run_end, recorded_config, start_run
 from tasks.sequences import build_sequence_shard
 from tasks.validation import validate_generations
 
 
-@flow(name="eagle3-datagen", log_prints=True)
+@flow(name="eagle3-datagen", log_prints=True, on_failure=[record_run_end("failed")],
+      on_crashed=[record_run_end("failed")], on_cancellation=[record_run_end("cancelled")])
 def pipeline(config: PipelineConfig) -> dict[str, Any]:
     """Turn a prompt dataset into EAGLE-3 training data; every stage resumes and caches by content."""
     where = {"output_uri": config.output_uri, "run_name": config.run_name}

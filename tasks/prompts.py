@@ -17,7 +17,7 @@ from typing import Any, Literal
 import datasets
 from prefect import task
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
+from eagle3_datagen.artifacts import PROMPTS_SUMMARY, REJECTED_PATH, ShardRef, artifact_path, sha256_hex
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
 from eagle3_datagen.errors import ConfigurationError, retry_unless_user_error
@@ -25,7 +25,6 @@ from eagle3_datagen.storage import RunStore
 
 PromptFormat = Literal["auto", "sharegpt", "openai"]
 
-REJECTED_PATH = "rejected/prompts.jsonl"
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _ROLES = {
     "human": "user",
@@ -63,11 +62,22 @@ class PromptLoadResult:
     rejected: int
 
 
-def load_rows(source: str, split: str = "train", limit: int | None = None) -> Iterator[dict[str, Any]]:
+@dataclass(frozen=True)
+class UnreadableRow:
+    """A line of a JSONL file that is not a JSON object: rejected with its line number, the run goes on."""
+
+    reason: str
+
+
+def load_rows(source: str, split: str = "train", limit: int | None = None) -> Iterator[dict[str, Any] | UnreadableRow]:
     """Rows of a hub dataset or of local files, streamed so a large dataset is never copied or held whole."""
     local = Path(source).expanduser()
     if local.exists():
         builder, files = _local_files(local)
+        if all(file.endswith(".jsonl") for file in files):
+            return islice(_jsonl_rows(files), limit)
+        if all(Path(file).stat().st_size == 0 for file in files):
+            raise DataSourceError(f"data.source {source} is empty: there are no rows to read; check the file")
         # A bad byte becomes U+FFFD so only its row is rejected, instead of the whole file failing to decode.
         # datasets applies encoding_errors only to an encoding not spelled "utf-8", hence the "utf_8" alias.
         options = {"encoding": "utf_8", "encoding_errors": "replace"} if builder == "json" else {}
@@ -80,6 +90,25 @@ def load_rows(source: str, split: str = "train", limit: int | None = None) -> It
     else:
         dataset = datasets.load_dataset(source, split=split, streaming=True)
     return islice(iter(dataset), limit)
+
+
+def _jsonl_rows(files: list[str]) -> Iterator[dict[str, Any] | UnreadableRow]:
+    """JSONL rows read line by line, so one torn or invalid line costs one row (named by its line), not the file.
+
+    A bad byte becomes U+FFFD, which rejects only its row ("not valid UTF-8"), as for the other formats.
+    """
+    for file in files:
+        with open(file, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                if not raw.strip():
+                    continue
+                where = f"{Path(file).name} line {number}"
+                try:
+                    row = json.loads(raw.decode("utf-8", errors="replace"))
+                except json.JSONDecodeError as error:
+                    yield UnreadableRow(f"{where} is not valid JSON ({error.msg} at column {error.colno})")
+                    continue
+                yield row if isinstance(row, dict) else UnreadableRow(f"{where} is not a JSON object")
 
 
 def _local_files(path: Path) -> tuple[str, list[str]]:
@@ -155,7 +184,7 @@ def prompt_id(messages: list[dict[str, str]]) -> str:
 
 
 def write_prompt_shards(
-    rows: Iterable[dict[str, Any]],
+    rows: Iterable[dict[str, Any] | UnreadableRow],
     store: RunStore,
     shard_size: int,
     fmt: PromptFormat = "auto",
@@ -168,7 +197,7 @@ def write_prompt_shards(
     turn, each with its own regenerated reasoning); a prompt already seen (a shared first question) is skipped,
     and a row whose prompts were all seen is rejected as a duplicate.
 
-    Raises ValueError when the first row has no prompt column (a wrong dataset, not bad rows) and when no
+    Raises DataSourceError when the first readable row has no prompt column (a wrong dataset, not bad rows) and when no
     row at all was accepted.
     """
     shards: list[ShardRef] = []
@@ -176,11 +205,15 @@ def write_prompt_shards(
     rejections: list[dict[str, Any]] = []
     first_row_of: dict[str, int] = {}
     read = accepted = 0
+    checked = False
     for index, row in enumerate(rows):
-        if index == 0:
-            _check_columns(row, fmt, source)
         read += 1
         try:
+            if isinstance(row, UnreadableRow):
+                raise RowRejected(row.reason)
+            if not checked:
+                _check_columns(row, fmt, source)
+                checked = True
             conversation = normalize_messages(row, fmt)
         except RowRejected as why:
             rejections.append({"row": index, "stage": "prompts", "reason": str(why)})
@@ -203,6 +236,8 @@ def write_prompt_shards(
     if batch:
         shards.append(_write_shard(store, len(shards), batch))
     store.write_jsonl(REJECTED_PATH, rejections)
+    store.write_json(PROMPTS_SUMMARY, {"rows": read, "accepted_rows": accepted, "rejected_rows": len(rejections),
+                                       "prompts": len(first_row_of), "shards": len(shards)})
     written = {ref.path for ref in shards}
     for stale in store.list("prompts", ".jsonl"):  # left by an earlier run that had more shards
         if stale not in written:

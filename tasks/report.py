@@ -9,26 +9,29 @@ from __future__ import annotations
 import io
 import json
 import statistics
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow.parquet as pq
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen import __version__
-from eagle3_datagen.artifacts import MANIFEST, artifact_path, rejected_path, sha256_hex, shard_name
+from eagle3_datagen.artifacts import MANIFEST, artifact_path, prompt_id_of, rejected_path, sha256_hex, shard_name
 from eagle3_datagen.config import ConfigError, PipelineConfig, parse_config
-from eagle3_datagen.errors import UserError
+from eagle3_datagen.errors import UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
+from eagle3_datagen.secrets import redact
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
 
 
-class RunIncomplete(UserError):
-    """Some shards did not reach the end of the pipeline; the manifest says which and why."""
+class RunFailed(UserError):
+    """The run produced less than it should: shards that did not finish, or too few prompts accepted."""
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,16 @@ def start_run(config: PipelineConfig) -> RunContext:
         think_tokens=spec.as_dict(),
     )
     manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {"created_at": _now()}
+    if manifest.get("status") == "running":
+        get_run_logger().warning(
+            "the previous run of %s did not end (killed, or still running elsewhere; last update %s): resuming "
+            "from what it wrote", store.uri, manifest.get("updated_at"))
+        manifest.setdefault("interrupted", []).append(manifest.get("started_at") or manifest.get("updated_at"))
+    for stale in ("cause", "ended_at"):
+        manifest.pop(stale, None)
     manifest.update(
         status="running",
+        started_at=_now(),
         updated_at=_now(),
         package_version=__version__,
         config=config.model_dump(mode="json"),
@@ -117,7 +128,7 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
         status["sequences"] = {"status": "skipped" if report["status"] != "pass" else "pending"}
         return status
     data = store.read_bytes(sequences)
-    table = pq.read_table(io.BytesIO(data), columns=["num_tokens", "agrees"])
+    table = pq.read_table(io.BytesIO(data), columns=["id", "num_tokens", "agrees"])
     agrees = [a for a in table.column("agrees").to_pylist() if a is not None]
     seq_rejected = rejected_path("sequences", index)
     status["sequences"] = {
@@ -126,6 +137,7 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
         "records": table.num_rows,
         "rejected": len(store.read_jsonl(seq_rejected)) if store.exists(seq_rejected) else 0,
         "tokens": sum(table.column("num_tokens").to_pylist()),
+        "accepted_prompts": len({prompt_id_of(i) for i in table.column("id").to_pylist()}),
         "text_rebuild_agreement": sum(agrees) / len(agrees) if agrees else None,
     }
     if hidden_states:
@@ -137,6 +149,7 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
                 "status": "done",
                 "sha256": sha256_hex(data),
                 "records": sum(p["num_samples"] for p in hs["parts"]),
+                "accepted_prompts": len({prompt_id_of(i) for i in hs["samples"]}),
                 "bytes": sum(p["bytes"] for p in hs["parts"]),
                 "layers": {k: hs[k] for k in hs if "layer" in k or k == "final_state"},
             }
@@ -213,14 +226,57 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
     if lengths:
         store.write_bytes("reasoning_lengths.png", _plot(lengths))
     create_markdown_artifact(key="run-report", markdown=report, description=f"eagle3-datagen {config.run_name}")
-    manifest = store.read_json(MANIFEST)
-    status = "completed" if len(finished) == num_shards else "incomplete"
-    manifest.update(status=status, updated_at=_now(), shards=shards, totals=totals)
-    store.write_json(MANIFEST, manifest)
-    if status != "completed":
-        short = [name for name, s in shards.items() if s.get(last_stage, {}).get("status") != "done"]
-        raise RunIncomplete(
-            f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}): see "
-            f"{store.uri}/{MANIFEST}; fix the cause and run again (finished shards are not redone)"
-        )
+    cause = run_shortfall(shards, last_stage, num_shards, config.validation.min_accepted_rate, store)
+    end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals)
+    if cause:
+        raise RunFailed(cause)
     return {"run_uri": store.uri, "totals": totals, "report": report}
+
+
+def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards: int, min_accepted_rate: float,
+                  store: RunStore) -> str | None:
+    """Why the run produced less than it should, as one line; None when it is complete."""
+    short = [name for name, s in shards.items() if s.get(last_stage, {}).get("status") != "done"]
+    if short:
+        return (f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}): see "
+                f"{store.uri}/{MANIFEST}; fix the cause and run again (finished shards are not redone)")
+    prompts = sum(s["prompts"]["records"] for s in shards.values())
+    accepted = sum(s[last_stage].get("accepted_prompts", 0) for s in shards.values())
+    rate = accepted / max(1, prompts)
+    if accepted and rate >= min_accepted_rate:
+        return None
+    reasons = Counter(row["reason"] for rel in store.list("rejected", ".jsonl") for row in store.read_jsonl(rel))
+    common = ""
+    if reasons:
+        reason, count = reasons.most_common(1)[0]
+        common = f"; most common reason ({count}×): {reason}"
+    return (f"only {accepted} of {prompts} prompts reached the training set ({rate:.0%} < "
+            f"validation.min_accepted_rate {min_accepted_rate:.0%}){common}; see {store.uri}/rejected/")
+
+
+def end_run(store: RunStore, status: str, cause: str | None, **fields: Any) -> None:
+    """The manifest's last word: completed, failed or cancelled, with the cause in one line."""
+    manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
+    manifest.update(fields, status=status, updated_at=_now(), ended_at=_now())
+    if cause:
+        manifest["cause"] = redact(" ".join(cause.split()))
+    store.write_json(MANIFEST, manifest)
+
+
+def record_run_end(status: str) -> Callable[[Any, Any, Any], None]:
+    """A Prefect flow hook that ends the manifest when the flow fails, crashes or is cancelled.
+
+    The flow's `config` parameter names the run. A run that never got as far as its manifest leaves none.
+    """
+
+    def hook(flow: Any, flow_run: Any, state: Any) -> None:
+        config = PipelineConfig.model_validate(flow_run.parameters["config"])
+        store = RunStore(config.output_uri, config.run_name)
+        manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
+        if manifest.get("status") != "running":
+            return  # finish-run already ended it, or the run failed before it began
+        error = state.result(raise_on_failure=False)
+        cause = one_line(error) if isinstance(error, BaseException) else (state.message or state.name)
+        end_run(store, status, cause)
+
+    return hook

@@ -212,7 +212,7 @@ def test_a_quarantined_shard_is_kept_marked_and_kept_out(tiny_model: Path, tmp_p
     assert (run / "generations" / "shard-00001.jsonl").exists(), "its records are kept"
     assert not (run / "sequences" / "shard-00001.parquet").exists(), "and never reach the training set"
     manifest = json.loads((run / "manifest.json").read_text())
-    assert manifest["status"] == "incomplete"
+    assert manifest["status"] == "failed" and "did not finish" in manifest["cause"]
     assert manifest["shards"]["shard-00001"]["validation"]["status"] == "quarantine"
     assert manifest["shards"]["shard-00000"]["sequences"]["status"] == "done"
     assert (run / "report.md").exists() and (run / "reasoning_lengths.png").read_bytes()[:4] == b"\x89PNG"

@@ -17,6 +17,7 @@ from eagle3_datagen.config import DataConfig
 from eagle3_datagen.storage import RunStore
 from tasks.prompts import (
     REJECTED_PATH,
+    DataSourceError,
     PromptLoadResult,
     RowRejected,
     build_prompt_shards,
@@ -287,7 +288,7 @@ def test_a_dataset_whose_every_row_is_rejected_points_to_the_rejection_log(tmp_p
     assert REJECTED_PATH in str(info.value)
     store = RunStore(str(tmp_path / "runs"), "r")
     assert len(store.read_jsonl(REJECTED_PATH)) == 2
-    assert store.list("prompts") == []
+    assert store.list("prompts", ".jsonl") == [], "no prompt shard"
 
 
 def test_a_missing_local_path_is_a_one_line_error_naming_it(tmp_path: Path) -> None:
@@ -325,3 +326,25 @@ def test_the_prefect_task_writes_the_run_folder_and_returns_a_picklable_result(t
     assert (tmp_path / "runs" / "demo" / "prompts" / "shard-00001.jsonl").is_file()
     assert (tmp_path / "runs" / "demo" / REJECTED_PATH).is_file()
     assert pickle.loads(pickle.dumps(result)) == result
+
+
+def test_a_torn_jsonl_line_is_rejected_with_its_line_number_and_the_rest_goes_on(tmp_path: Path) -> None:
+    source = write_rows(tmp_path / "q.jsonl", [sharegpt(("user", f"question {i}")) for i in range(5)])
+    lines = source.read_text().splitlines()
+    lines[2] = lines[2][: len(lines[2]) // 2]  # a write cut off half-way
+    source.write_text("\n".join([*lines, "[1, 2]"]) + "\n")
+    result, store = run(tmp_path, source)
+    assert (result.rows, result.accepted, result.rejected) == (6, 4, 2)
+    reasons = {row["row"]: row["reason"] for row in store.read_jsonl(REJECTED_PATH)}
+    assert reasons[2].startswith("q.jsonl line 3 is not valid JSON")
+    assert reasons[5] == "q.jsonl line 6 is not a JSON object"
+    assert store.read_json("prompts/summary.json") == {"rows": 6, "accepted_rows": 4, "rejected_rows": 2,
+                                                       "prompts": 4, "shards": 1}
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.json", "empty.parquet"])
+def test_an_empty_dataset_is_named_as_such(tmp_path: Path, name: str) -> None:
+    (tmp_path / name).write_bytes(b"")
+    with pytest.raises(DataSourceError, match=r"(is empty|no rows were read)") as info:
+        run(tmp_path, tmp_path / name)
+    assert "\n" not in str(info.value)
