@@ -121,13 +121,17 @@ def _prefect_defaults() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     _prefect_defaults()
     args = build_parser().parse_args(argv)
+    from cli.logs import silence_prefect_console
     from eagle3_datagen.errors import UserError
 
     try:
-        return args.func(args)
+        status = args.func(args)
     except UserError as error:
+        silence_prefect_console()
         print(f"error: {error.one_line()}", file=sys.stderr)
         return error.exit_status
+    silence_prefect_console()
+    return status
 
 
 if __name__ == "__main__":

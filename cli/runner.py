@@ -9,7 +9,9 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
+from cli.logs import RunLog
 from eagle3_datagen.config import PipelineConfig
+from eagle3_datagen.errors import UserError
 from eagle3_datagen.storage import RunStore
 
 
@@ -63,11 +65,18 @@ def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     """Run the flow; returns the run summary plus one line per stage (task states and time)."""
     from flows.pipeline import pipeline
 
-    flow = pipeline.with_options(result_storage=result_storage_for(config))
-    state = flow(config, return_state=True)
-    flow_run_id = state.state_details.flow_run_id
-    stages = asyncio.run(_stage_lines(flow_run_id)) if flow_run_id else []
-    summary = state.result()
+    store = RunStore(config.output_uri, config.run_name)
+    store.check_writable()
+    with RunLog(store) as log:
+        flow = pipeline.with_options(result_storage=result_storage_for(config))
+        state = flow(config, return_state=True)
+        flow_run_id = state.state_details.flow_run_id
+        stages = asyncio.run(_stage_lines(flow_run_id)) if flow_run_id else []
+        try:
+            summary = state.result()
+        except UserError as error:
+            error.details = log.where
+            raise
     if config.hidden_states.backend != "none":
         stages.append(f"trainer files: eagle3-datagen export {summary['run_uri']} --format specforge (or speculators)")
     return {**summary, "stages": stages}

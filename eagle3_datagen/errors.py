@@ -21,10 +21,12 @@ class UserError(Eagle3Error):
     """
 
     exit_status = 1
+    details: str | None = None  # where the full story is (the run's log file), once a runner knows it
 
     def one_line(self) -> str:
         """The message on one line, secrets redacted: what the CLI, the manifest and the Prefect UI show."""
-        return redact(" ".join(str(self).split()))
+        where = f" (details: {self.details})" if self.details else ""
+        return redact(" ".join(str(self).split()) + where)
 
 
 class ConfigurationError(UserError):

@@ -27,6 +27,10 @@ class StoragePathError(ConfigurationError, ValueError):
     """A relative path that would leave the run's folder."""
 
 
+class OutputNotWritable(ConfigurationError):
+    """`output_uri` names a place this process cannot write."""
+
+
 class RunStore:
     """The folder `{output_uri}/{run_name}/` and the only way stages read and write artifacts."""
 
@@ -35,6 +39,18 @@ class RunStore:
         self._local = "file" in _protocols(self.fs)
         self.root = posixpath.join(base.rstrip("/"), run_name)
         self.uri = self.fs.unstrip_protocol(self.root) if not self._local else self.root
+
+    def check_writable(self) -> None:
+        """Fail before any work, naming output_uri, if the run folder cannot be created and written."""
+        probe = f".write-check-{uuid.uuid4().hex}"
+        try:
+            self.write_bytes(probe, b"")
+            self.fs.rm(self.path(probe))
+        except (OSError, ValueError) as error:
+            raise OutputNotWritable(
+                f"output_uri: cannot write the run folder {self.uri} ({type(error).__name__}: {error}): set "
+                "output_uri to a folder or bucket this process can write"
+            ) from None
 
     @classmethod
     def at(cls, run_uri: str) -> RunStore:

@@ -95,7 +95,10 @@ async def check_endpoint(
                 completions.append((await client.chat(body, profile))[0])
             except RequestFailed as error:
                 if error.retryable:
-                    raise ServerCheckFailed(f"probe request to {endpoint} failed: {error}") from None
+                    raise ServerCheckFailed(
+                        f"probe request to {endpoint} failed: {error}: the server answers /health but not a chat "
+                        "request; see the server's log"
+                    ) from None
                 refused.append(str(error))
             if len(completions) == validation.probe_requests:
                 break

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import TerminationSignal
 
 from eagle3_datagen import __version__
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, prompt_id_of, rejected_path, sha256_hex, shard_name
@@ -51,6 +52,7 @@ def _now() -> str:
 def start_run(config: PipelineConfig) -> RunContext:
     """Prove the think tokens before any request, and record config and fingerprints in the manifest."""
     store = RunStore(config.output_uri, config.run_name)
+    store.check_writable()
     spec = discover_think_tokens(load_tokenizer(config.model.tokenizer), config.profile)
     context = RunContext(
         tokenizer_fingerprint=fingerprint(config.model.tokenizer),
@@ -276,7 +278,11 @@ def record_run_end(status: str) -> Callable[[Any, Any, Any], None]:
         if manifest.get("status") != "running":
             return  # finish-run already ended it, or the run failed before it began
         error = state.result(raise_on_failure=False)
-        cause = one_line(error) if isinstance(error, BaseException) else (state.message or state.name)
-        end_run(store, status, cause)
+        if isinstance(error, TerminationSignal) or status == "cancelled":
+            end_run(store, "cancelled", "stopped by a termination signal or a cancel: run again to resume; "
+                                        "finished work is kept")
+            return
+        end_run(store, status, one_line(error) if isinstance(error, BaseException) else state.message or state.name)
 
+    hook.__name__ = f"record-run-{status}"
     return hook

@@ -1,0 +1,90 @@
+"""Where a run's words go: one line per message on the console, everything (tracebacks too) in the run's log file.
+
+A user error then ends the output with one line naming the fix and the log file, not with a traceback; bugs
+keep their tracebacks in the file and in the Prefect logs.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+from eagle3_datagen.storage import RunStore
+
+FILE_FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
+
+
+class OneLineFormatter(logging.Formatter):
+    """Formats a copy of each record without its traceback; the file handler still sees the original."""
+
+    def __init__(self, inner: logging.Formatter | None) -> None:
+        super().__init__()
+        self._inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        bare = copy.copy(record)
+        if bare.exc_info and bare.exc_info[1] is not None:
+            error = bare.exc_info[1]
+            bare.msg, bare.args = f"{record.getMessage().splitlines()[0]} ({type(error).__name__})", None
+        bare.exc_info = bare.exc_text = bare.stack_info = None
+        return self._inner.format(bare)
+
+
+class RunLog:
+    """For the length of a run: Prefect's console handlers lose tracebacks, a file gets every record.
+
+    The file lives in the run folder when it is on local disk, else in a temporary folder and is copied into
+    the run's storage (`logs/`) at the end.
+    """
+
+    def __init__(self, store: RunStore) -> None:
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        self._store = store
+        self._rel = f"logs/run-{stamp}.log"
+        local = store.local_path(self._rel)
+        self._copy = local is None
+        self.path = Path(local) if local else Path(tempfile.mkdtemp(prefix="eagle3-log-")) / Path(self._rel).name
+        self.where = local or f"{store.uri}/{self._rel}"
+        self._file: logging.FileHandler | None = None
+        self._console: list[tuple[logging.Handler, logging.Formatter | None]] = []
+
+    def __enter__(self) -> RunLog:
+        from prefect.logging.handlers import PrefectConsoleHandler  # importing prefect configures its logging
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = logging.FileHandler(self.path, encoding="utf-8")
+        self._file.setFormatter(logging.Formatter(FILE_FORMAT))
+        root = logging.getLogger()
+        root.addHandler(self._file)
+        for logger in (root, logging.getLogger("uvicorn"), logging.getLogger("fastapi")):
+            for handler in logger.handlers:
+                if isinstance(handler, PrefectConsoleHandler):
+                    self._console.append((handler, handler.formatter))
+                    handler.setFormatter(OneLineFormatter(handler.formatter))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handler, formatter in self._console:
+            handler.setFormatter(formatter)  # type: ignore[arg-type]
+        if self._file is not None:
+            logging.getLogger().removeHandler(self._file)
+            self._file.close()
+        if self._copy:
+            self._store.write_bytes(self._rel, self.path.read_bytes())
+            self.path.unlink()
+            self.path.parent.rmdir()
+
+
+
+def silence_prefect_console() -> None:
+    """Nothing more from Prefect on the console for the rest of the process (its temporary API shuts down at
+    exit), so the line the command prints last stays last; the run's log file still gets everything."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for logger in (logging.getLogger(), logging.getLogger("uvicorn"), logging.getLogger("fastapi")):
+        for handler in logger.handlers:
+            if isinstance(handler, PrefectConsoleHandler):
+                handler.setLevel(logging.CRITICAL + 1)
