@@ -13,11 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+MAX_LISTED = 20  # missing artifacts listed by `verify` before it summarizes
 
-def _run(config: Any) -> dict[str, Any]:
+
+def _run(config: Any, regenerate: bool = False) -> dict[str, Any]:
     from cli.runner import run_pipeline
 
-    return run_pipeline(config)
+    return run_pipeline(config, regenerate)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -33,9 +35,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_rerun_failed(args: argparse.Namespace) -> int:
+    from eagle3_datagen.storage import RunStore
     from tasks.report import recorded_config
+    from tasks.validation import reopen_quarantined
+    from tasks.verify import rerun_plan, verify_run
 
-    return _print_summary(_run(recorded_config(args.run, args.set)))
+    config = recorded_config(args.run, args.set)
+    store = RunStore.at(args.run)
+    print(rerun_plan(verify_run(store), args.redo_quarantined), flush=True)
+    reopened = reopen_quarantined(store) if args.redo_quarantined else []
+    return _print_summary(_run(config, regenerate=bool(reopened)))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -46,10 +55,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     print(f"rows {result.rows}: {result.rows - result.rejected_rows} gave prompts, {result.rejected_rows} rejected")
     print(f"prompts {result.prompts} = accepted {result.accepted} + rejected {result.rejected} + quarantined "
           f"{result.quarantined} + pending {result.pending}")
+    for missing in result.missing[:MAX_LISTED]:
+        print(f"missing: {missing}")
+    if len(result.missing) > MAX_LISTED:
+        print(f"missing: … and {len(result.missing) - MAX_LISTED} more")
     for problem in result.problems:
         print(f"problem: {problem}")
-    print("invariant holds" if not result.problems else f"{len(result.problems)} problems")
-    return 0 if not result.problems else 1
+    print(result.verdict())
+    return 0 if result.complete else 1
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -96,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     rerun.add_argument("run", help="the run folder, e.g. runs/demo or s3://bucket/prefix/run")
     rerun.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a key of the recorded config (e.g. server.endpoints=[...])")
+    rerun.add_argument("--redo-quarantined", action="store_true",
+                       help="generate quarantined shards again (once their cause is fixed); old records are kept aside")
     rerun.set_defaults(func=cmd_rerun_failed)
     verify = commands.add_parser("verify", help="check a run's invariant: every row accepted once or rejected")
     verify.add_argument("run", help="the run folder")

@@ -61,7 +61,7 @@ async def _stage_lines(flow_run_id: UUID) -> list[str]:
     return lines
 
 
-def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
+def run_pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]:
     """Run the flow; returns the run summary plus one line per stage (task states and time)."""
     from flows.pipeline import pipeline
 
@@ -69,7 +69,7 @@ def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     store.check_writable()
     with RunLog(store) as log:
         flow = pipeline.with_options(result_storage=result_storage_for(config))
-        state = flow(config, return_state=True)
+        state = flow(config, regenerate, return_state=True)
         flow_run_id = state.state_details.flow_run_id
         stages = asyncio.run(_stage_lines(flow_run_id)) if flow_run_id else []
         try:

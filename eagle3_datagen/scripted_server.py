@@ -82,6 +82,7 @@ class Script:
     think_end: str = "</think>"
     end_of_turn: str = "<|im_end|>"
     tokenizer: Any = None  # a HF tokenizer: token ids become real encodings of the prompt and the completion
+    max_model_len: int | None = None  # reported by /v1/models; a longer prompt + max_tokens is refused (HTTP 400)
 
 
 def scripted_latency(script: Script, index: int) -> float:
@@ -207,7 +208,10 @@ class ScriptedServer:
         return Response(status_code=200)
 
     async def _models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.script.model, "object": "model"}]})
+        card = {"id": self.script.model, "object": "model"}
+        if self.script.max_model_len is not None:
+            card["max_model_len"] = self.script.max_model_len
+        return JSONResponse({"object": "list", "data": [card]})
 
     async def _stats(self, request: Request) -> Response:
         """The log's measurements, and this process's CPU time: a benchmark tells a saturated server from a slow
@@ -247,6 +251,9 @@ class ScriptedServer:
             if fault == "missing":
                 return JSONResponse({"id": "chatcmpl-scripted", "object": "chat.completion"})
             message = _message(question, body, self.script)
+            too_long = self._context_refusal(body, message)
+            if too_long:
+                return JSONResponse({"error": {"message": too_long, "code": 400}}, status_code=400)
             if body.get("stream"):
                 return StreamingResponse(self._stream(message), media_type="text/event-stream")
             payload = self._completion(body, message)
@@ -256,6 +263,16 @@ class ScriptedServer:
         finally:
             with self._lock:
                 self.log.change(time.monotonic(), -1)
+
+    def _context_refusal(self, body: dict[str, Any], message: dict[str, Any]) -> str | None:
+        """vLLM's refusal when the prompt plus max_tokens exceeds the served context."""
+        limit = self.script.max_model_len
+        prompt = len(self._token_ids(body, message)[0])
+        if limit is None or prompt + body["max_tokens"] <= limit:
+            return None
+        return (f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt + body['max_tokens']} tokens ({prompt} in the messages, {body['max_tokens']} in the "
+                "completion). Please reduce the length of the messages or completion.")
 
     def _token_ids(self, body: dict[str, Any], message: dict[str, Any]) -> tuple[list[int], list[int]]:
         """Real ids when a tokenizer is scripted (the start tag is generated unless the prompt ends with it)."""

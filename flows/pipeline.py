@@ -10,6 +10,7 @@ from prefect.utilities.annotations import allow_failure
 
 from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.fingerprints import fingerprint
+from eagle3_datagen.storage import RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
 from tasks.generation import GenerationSettings, generate, unfinished_shards
 from tasks.health import check_servers
@@ -17,13 +18,17 @@ from tasks.hidden_states import extract_hidden_states
 from tasks.prompts import load_prompts
 from tasks.report import finish_run, record_run_end, recorded_config, start_run
 from tasks.sequences import build_sequence_shard
-from tasks.validation import validate_generations
+from tasks.validation import reopen_quarantined_shards, validate_generations
+from tasks.verify import rerun_plan, verify_run
 
 
 @flow(name="eagle3-datagen", log_prints=True, on_failure=[record_run_end("failed")],
       on_crashed=[record_run_end("failed")], on_cancellation=[record_run_end("cancelled")])
-def pipeline(config: PipelineConfig) -> dict[str, Any]:
-    """Turn a prompt dataset into EAGLE-3 training data; every stage resumes and caches by content."""
+def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]:
+    """Turn a prompt dataset into EAGLE-3 training data; every stage resumes and caches by content.
+
+    `regenerate` looks at storage again instead of trusting generation's cache (after shards were reopened).
+    """
     where = {"output_uri": config.output_uri, "run_name": config.run_name}
     context = start_run(config)
     prompts = load_prompts(config.data, fingerprint(config.data.source), **where)
@@ -32,7 +37,8 @@ def pipeline(config: PipelineConfig) -> dict[str, Any]:
     if unfinished_shards(prompts.shards, **where):
         check_servers(config.model.name, config.profile, config.server, config.generation, config.validation,
                       prompts.shards, config.model.tokenizer, **where)
-    generations = generate(prompts.shards, settings, config.server, config.validation, **where)
+    generation = generate.with_options(refresh_cache=True) if regenerate else generate
+    generations = generation(prompts.shards, settings, config.server, config.validation, **where)
 
     at = {key: unmapped(value) for key, value in where.items()}
     validated = validate_generations.map(
@@ -62,9 +68,14 @@ def generation_only(config: PipelineConfig) -> dict[str, Any]:
 
 
 @flow(name="eagle3-rerun-failed", log_prints=True)
-def rerun_failed(run: str) -> dict[str, Any]:
-    """Run a recorded run again: finished shards are cached or found in storage, only the rest does work."""
-    return pipeline(recorded_config(run))
+def rerun_failed(run: str, redo_quarantined: bool = False) -> dict[str, Any]:
+    """Run a recorded run again: finished shards are cached or found in storage, only the rest does work.
+
+    With `redo_quarantined`, quarantined shards are generated again (their old records are kept aside).
+    """
+    print(rerun_plan(verify_run(RunStore.at(run)), redo_quarantined))
+    reopened = reopen_quarantined_shards(run) if redo_quarantined else []
+    return pipeline(recorded_config(run), regenerate=bool(reopened))
 
 
 @flow(name="eagle3-extract-only", log_prints=True)

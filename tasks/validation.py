@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path
+from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ValidationConfig
 from eagle3_datagen.errors import UserError
@@ -111,6 +113,31 @@ def _markdown(run_name: str, report: ShardValidation) -> str:
     verdict = report.status + ("" if not report.reasons else ": " + "; ".join(report.reasons))
     return (f"### {run_name} shard {report.index:05d}: {verdict}\n\n{report.records} records\n\n"
             f"| check | count | rate |\n|---|---|---|\n{rows}\n")
+
+
+def reopen_quarantined(store: RunStore) -> list[int]:
+    """Move quarantined shards' generations (and their validation and rejections) to `quarantine/<time>/`.
+
+    Nothing is deleted; with the generation file gone, the next run generates those shards again.
+    """
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    reopened = []
+    for rel in store.list("validation", ".json"):
+        if store.read_json(rel)["status"] != "quarantine":
+            continue
+        index = int(rel.rsplit("-", 1)[1].removesuffix(".json"))
+        for moved in (artifact_path("generations", index), rejected_path("generations", index), rel):
+            if store.exists(moved):
+                store.write_bytes(f"quarantine/{stamp}/{moved}", store.read_bytes(moved))
+                store.remove(moved)
+        reopened.append(index)
+    return reopened
+
+
+@task(name="reopen-quarantined", cache_policy=NO_CACHE)
+def reopen_quarantined_shards(run: str) -> list[int]:
+    """Prefect task: the quarantined shards of a run, reopened for generation (see `reopen_quarantined`)."""
+    return reopen_quarantined(RunStore.at(run))
 
 
 @task(name="validate", retries=0, persist_result=True, cache_policy=STAGE_CACHE)

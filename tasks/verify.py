@@ -1,6 +1,9 @@
-"""The run invariant, checked from the artifacts alone (after any faulty run, and by `eagle3-datagen verify`):
-every input row is accepted exactly once or rejected with a reason, no id is duplicated, every shard's
-checksum matches its manifest entry, and every hidden-state part and final norm reads back.
+"""The run invariant, checked from storage alone (after any faulty run, and by `eagle3-datagen verify`).
+
+Shards are enumerated from the prompt stage's files, not from the manifest (which a killed run never
+finishes): every input row is accepted exactly once or rejected with a reason, no id is duplicated, every
+stage's artifact of every shard exists, checksums match the manifest where it recorded one, and every
+hidden-state part and final norm reads back. A run is vouched for only if it is complete and consistent.
 """
 
 from __future__ import annotations
@@ -12,16 +15,26 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from eagle3_datagen.artifacts import MANIFEST, artifact_path, rejected_path, sha256_hex
+from eagle3_datagen.artifacts import (
+    MANIFEST,
+    PROMPTS_SUMMARY,
+    REJECTED_PATH,
+    artifact_path,
+    prompt_id_of,
+    rejected_path,
+    sha256_hex,
+    shard_name,
+)
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states import HiddenStatesError, read_final_norm, read_hidden_state_shard
-from tasks.prompts import REJECTED_PATH
 
 
 @dataclass
 class Verification:
-    """What the check found; `problems` empty means the invariant holds."""
+    """What the check found. `complete` only when nothing is missing, nothing inconsistent, and the run ended."""
 
+    status: str = "missing"  # the manifest's: completed, failed, cancelled, or running (killed, or still going)
+    cause: str | None = None
     rows: int = 0
     rejected_rows: int = 0  # by the prompt stage, each with its reason
     prompts: int = 0  # one per accepted row, or one per user turn of it (data.turns: each)
@@ -29,7 +42,28 @@ class Verification:
     rejected: int = 0  # prompts refused by the server or dropped by the length policy, with reasons
     quarantined: int = 0
     pending: int = 0
-    problems: list[str] = field(default_factory=list)
+    quarantined_shards: list[int] = field(default_factory=list)
+    unfinished_shards: list[int] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)  # stage artifacts a finished run would have
+    problems: list[str] = field(default_factory=list)  # inconsistencies: never expected, whatever the status
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "completed" and not self.missing and not self.problems and not self.pending
+
+    def verdict(self) -> str:
+        """One line: vouched for, or why not."""
+        if self.complete:
+            return "run complete and consistent"
+        if self.status == "running":
+            why = "the run did not end (killed or crashed, or still running elsewhere)"
+        elif self.status == "missing":
+            why = f"no {MANIFEST}: not a run folder, or the run never started"
+        else:
+            why = f"the run ended {self.status}" + (f": {self.cause}" if self.cause else "")
+        parts = [f"{len(self.missing)} artifacts missing" if self.missing else "",
+                 f"{len(self.problems)} problems" if self.problems else ""]
+        return "NOT complete: " + "; ".join([why, *filter(None, parts)])
 
 
 def _ids_of_jsonl(store: RunStore, rel: str) -> list[str]:
@@ -42,70 +76,117 @@ def _check_once(stage: str, shard: str, ids: list[str], problems: list[str]) -> 
         problems.append(f"{shard} {stage}: duplicate ids {doubled[:5]}")
 
 
+def _prompt_shards(store: RunStore) -> list[int]:
+    return [int(rel.rsplit("-", 1)[1].removesuffix(".jsonl")) for rel in store.list("prompts", ".jsonl")]
+
+
 def verify_run(store: RunStore) -> Verification:
-    """Walk prompts → generations → sequences → hidden states and account for every row."""
-    manifest: dict[str, Any] = store.read_json(MANIFEST)
-    result = Verification(rows=manifest.get("totals", {}).get("input rows", 0))
-    problems = result.problems
+    """Walk prompts → generations → sequences → hidden states of every shard in storage; account for every row."""
+    manifest: dict[str, Any] = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
+    result = Verification(status=manifest.get("status", "missing"), cause=manifest.get("cause"))
+    if not store.exists(PROMPTS_SUMMARY):
+        result.missing.append(f"{PROMPTS_SUMMARY} (the prompt stage did not finish)")
+        return result
+    summary = store.read_json(PROMPTS_SUMMARY)
+    result.rows = summary["rows"]
     result.rejected_rows = len(store.read_jsonl(REJECTED_PATH)) if store.exists(REJECTED_PATH) else 0
+    indexes = _prompt_shards(store)
+    if indexes != list(range(summary["shards"])):
+        result.problems.append(f"prompts: shards {indexes} in storage, {summary['shards']} written")
+    hidden = manifest.get("config", {}).get("hidden_states", {}).get("backend") != "none"
     accepted_rows: set[int] = set()
-    hidden = manifest["config"]["hidden_states"]["backend"] != "none"
-    for name, status in manifest.get("shards", {}).items():
-        index = int(name.rsplit("-", 1)[1])
-        prompts = store.read_jsonl(artifact_path("prompts", index))
-        prompt_ids = [prompt["id"] for prompt in prompts]
-        accepted_rows |= {prompt["row"] for prompt in prompts}
-        result.prompts += len(prompt_ids)
-        _check_once("prompts", name, prompt_ids, problems)
-        for stage in ("generations", "sequences", "hidden_states"):
-            recorded = status.get(stage, {}).get("sha256")
-            rel = artifact_path(stage, index)
-            if recorded and (not store.exists(rel) or sha256_hex(store.read_bytes(rel)) != recorded):
-                problems.append(f"{name} {stage}: {rel} does not match the checksum in the manifest")
-        generations = artifact_path("generations", index)
-        if not store.exists(generations):
-            result.pending += len(prompt_ids)
-            continue
-        generated = [i.split(":")[0] for i in _ids_of_jsonl(store, generations)]
-        gen_rejected = _ids_of_jsonl(store, rejected_path("generations", index))
-        result.rejected += len(gen_rejected)
-        if sorted(set(generated) | set(gen_rejected)) != sorted(prompt_ids) or set(generated) & set(gen_rejected):
-            problems.append(f"{name} generations: prompts and generated + rejected ids differ")
-        if status.get("validation", {}).get("status") == "quarantine":
-            result.quarantined += len(set(generated))
-            continue
-        sequences = artifact_path("sequences", index)
-        if not store.exists(sequences):
-            result.pending += len(set(generated))
-            continue
-        table = pq.read_table(io.BytesIO(store.read_bytes(sequences)), columns=["id"])
-        seq_ids = table.column("id").to_pylist()
-        _check_once("sequences", name, seq_ids, problems)
-        seq_rejected = _ids_of_jsonl(store, rejected_path("sequences", index))
-        result.rejected += len({i.split(":")[0] for i in seq_rejected} - {i.split(":")[0] for i in seq_ids})
-        if sorted(seq_ids + seq_rejected) != sorted(_ids_of_jsonl(store, generations)):
-            problems.append(f"{name} sequences: generated and sequence + rejected ids differ")
-        final_ids = seq_ids
-        if hidden:
-            index_rel = artifact_path("hidden_states", index)
-            if not store.exists(index_rel):
-                result.pending += len(seq_ids)
-                continue
-            try:
-                final_ids = [sample.id for sample in read_hidden_state_shard(store, index_rel)]
-                read_final_norm(store, index_rel)
-            except HiddenStatesError as error:
-                problems.append(f"{name} hidden_states: {error}")
-                continue
-            if sorted(final_ids) != sorted(seq_ids):
-                problems.append(f"{name} hidden_states: samples differ from the sequences")
-        result.accepted += len({i.split(":")[0] for i in final_ids})
-    if result.rows and len(accepted_rows) + result.rejected_rows != result.rows:
-        problems.append(f"input rows {result.rows} != rows with prompts {len(accepted_rows)} + rejected rows "
-                        f"{result.rejected_rows}")
+    for index in indexes:
+        accepted_rows |= _verify_shard(store, index, manifest.get("shards", {}).get(shard_name(index), {}), hidden,
+                                       result)
+    if len(accepted_rows) + result.rejected_rows != result.rows:
+        result.problems.append(f"input rows {result.rows} != rows with prompts {len(accepted_rows)} + rejected "
+                               f"rows {result.rejected_rows}")
     if result.accepted + result.rejected + result.quarantined + result.pending != result.prompts:
-        problems.append(
+        result.problems.append(
             f"prompts {result.prompts} != accepted {result.accepted} + rejected {result.rejected} + "
             f"quarantined {result.quarantined} + pending {result.pending}"
         )
     return result
+
+
+def _mark_missing(result: Verification, index: int, rel: str) -> None:
+    result.missing.append(rel)
+    result.unfinished_shards.append(index)
+
+
+def _verify_shard(store: RunStore, index: int, recorded: dict[str, Any], hidden: bool,
+                  result: Verification) -> set[int]:
+    """Account for one shard's prompts; returns the input rows they came from."""
+    name, problems = shard_name(index), result.problems
+    prompts = store.read_jsonl(artifact_path("prompts", index))
+    prompt_ids = [prompt["id"] for prompt in prompts]
+    result.prompts += len(prompt_ids)
+    _check_once("prompts", name, prompt_ids, problems)
+    for stage in ("generations", "sequences", "hidden_states"):
+        sha = recorded.get(stage, {}).get("sha256")
+        rel = artifact_path(stage, index)
+        if sha and (not store.exists(rel) or sha256_hex(store.read_bytes(rel)) != sha):
+            problems.append(f"{name} {stage}: {rel} does not match the checksum in the manifest")
+    rows = {prompt["row"] for prompt in prompts}
+    generations = artifact_path("generations", index)
+    if not store.exists(generations):
+        _mark_missing(result, index, generations)
+        result.pending += len(prompt_ids)
+        return rows
+    generated = {prompt_id_of(i) for i in _ids_of_jsonl(store, generations)}
+    gen_rejected = _ids_of_jsonl(store, rejected_path("generations", index))
+    result.rejected += len(gen_rejected)
+    if sorted(generated | set(gen_rejected)) != sorted(prompt_ids) or generated & set(gen_rejected):
+        problems.append(f"{name} generations: prompts and generated + rejected ids differ")
+    validation = artifact_path("validation", index)
+    if not store.exists(validation):
+        _mark_missing(result, index, validation)
+        result.pending += len(generated)
+        return rows
+    if store.read_json(validation)["status"] == "quarantine":
+        result.quarantined += len(generated)
+        result.quarantined_shards.append(index)
+        return rows
+    sequences = artifact_path("sequences", index)
+    if not store.exists(sequences):
+        _mark_missing(result, index, sequences)
+        result.pending += len(generated)
+        return rows
+    seq_ids = pq.read_table(io.BytesIO(store.read_bytes(sequences)), columns=["id"]).column("id").to_pylist()
+    _check_once("sequences", name, seq_ids, problems)
+    seq_rejected = _ids_of_jsonl(store, rejected_path("sequences", index))
+    result.rejected += len({prompt_id_of(i) for i in seq_rejected} - {prompt_id_of(i) for i in seq_ids})
+    if sorted(seq_ids + seq_rejected) != sorted(_ids_of_jsonl(store, generations)):
+        problems.append(f"{name} sequences: generated and sequence + rejected ids differ")
+    final_ids = seq_ids
+    if hidden:
+        index_rel = artifact_path("hidden_states", index)
+        if not store.exists(index_rel):
+            _mark_missing(result, index, index_rel)
+            result.pending += len({prompt_id_of(i) for i in seq_ids})
+            return rows
+        try:
+            final_ids = [sample.id for sample in read_hidden_state_shard(store, index_rel)]
+            read_final_norm(store, index_rel)
+        except HiddenStatesError as error:
+            problems.append(f"{name} hidden_states: {error}")
+            return rows
+        if sorted(final_ids) != sorted(seq_ids):
+            problems.append(f"{name} hidden_states: samples differ from the sequences")
+    result.accepted += len({prompt_id_of(i) for i in final_ids})
+    return rows
+
+
+def rerun_plan(result: Verification, redo_quarantined: bool) -> str:
+    """What `rerun-failed` will redo, in one line, before it does it."""
+    shards = [shard_name(i) for i in result.unfinished_shards]
+    todo = (f"finish {len(shards)} shards ({', '.join(shards[:8])}{'…' if len(shards) > 8 else ''}), "
+            f"{result.pending} prompts pending") if shards else "nothing unfinished"
+    names = ", ".join(shard_name(i) for i in result.quarantined_shards)
+    if not result.quarantined_shards:
+        quarantine = "no quarantined shard"
+    elif redo_quarantined:
+        quarantine = f"generate quarantined {names} again (their records are moved to quarantine/, not deleted)"
+    else:
+        quarantine = f"quarantined {names} stay as they are (add --redo-quarantined once the cause is fixed)"
+    return f"rerun-failed will {todo}; {quarantine}"
