@@ -28,6 +28,8 @@ class ProbeFinding:
     parser_split_tags: bool
     token_ids_returned: bool
     reasoning_chars: int
+    max_model_len: int | None = None
+    context_warning: str | None = None  # prompts too long for the served context, which the server will refuse
 
 
 def diagnose(

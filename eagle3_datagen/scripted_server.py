@@ -82,7 +82,8 @@ class Script:
     think_end: str = "</think>"
     end_of_turn: str = "<|im_end|>"
     tokenizer: Any = None  # a HF tokenizer: token ids become real encodings of the prompt and the completion
-    max_model_len: int | None = None  # reported by /v1/models; a longer prompt + max_tokens is refused (HTTP 400)
+    max_model_len: int | None = None  # a longer prompt + max_tokens is refused with HTTP 400, as vLLM does
+    report_max_model_len: bool = True  # in /v1/models (servers other than vLLM may not)
 
 
 def scripted_latency(script: Script, index: int) -> float:
@@ -209,7 +210,7 @@ class ScriptedServer:
 
     async def _models(self, request: Request) -> Response:
         card = {"id": self.script.model, "object": "model"}
-        if self.script.max_model_len is not None:
+        if self.script.max_model_len is not None and self.script.report_max_model_len:
             card["max_model_len"] = self.script.max_model_len
         return JSONResponse({"object": "list", "data": [card]})
 

@@ -7,11 +7,10 @@ field nobody reads. Each of these stops the run here, before the first shard, wi
 from __future__ import annotations
 
 import asyncio
-import heapq
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from transformers import PreTrainedTokenizerBase
 
@@ -25,7 +24,6 @@ from eagle3_datagen.think_tokens import load_tokenizer, render_generation_prompt
 
 PROBE_MAX_TOKENS = 256
 PROBE_CANDIDATES = 16  # prompts the probe may try, in order, until probe_requests are answered
-LONGEST_CANDIDATES = 8  # the longest prompts by characters, rendered to find the longest in tokens
 
 
 async def wait_until_healthy(client: OpenAIClient, timeout_s: float) -> None:
@@ -47,27 +45,54 @@ def check_served_model(endpoint: str, served: list[str], model: str) -> None:
         )
 
 
-def check_context_length(endpoint: str, max_model_len: int | None, max_tokens: int, longest_prompt: int) -> None:
-    """Every request must fit the served context: otherwise the server refuses it and the run produces nothing."""
-    if max_model_len is None or max_tokens + longest_prompt <= max_model_len:
-        return
-    fits = max_model_len - longest_prompt
-    lower = f"set generation.max_tokens <= {fits} or " if fits > 0 else ""
-    raise ServerCheckFailed(
-        f"{endpoint} serves a context of {max_model_len} tokens (max_model_len), but generation.max_tokens "
-        f"{max_tokens} plus the longest prompt ({longest_prompt} tokens) needs {max_tokens + longest_prompt}: "
-        f"{lower}serve with --max-model-len >= {max_tokens + longest_prompt}"
-    )
+class PromptLengths:
+    """Rendered prompt lengths of a run, counted exactly only where a cheap bound says a prompt may not fit.
+
+    A prompt has at most as many tokens as its UTF-8 bytes plus the template's tokens per message, so only the
+    prompts above that bound are rendered and tokenized.
+    """
+
+    def __init__(self, store: RunStore, shards: list[ShardRef], tokenizer: PreTrainedTokenizerBase,
+                 profile: ModelProfile) -> None:
+        self._store, self._shards, self._tokenizer, self._profile = store, shards, tokenizer, profile
+        empty = render_generation_prompt(tokenizer, [{"role": "user", "content": ""}], profile)
+        self._per_message = len(tokenizer(empty, add_special_tokens=False)["input_ids"])
+
+    def beyond(self, room: int) -> tuple[int, int, int]:
+        """(prompts longer than `room` tokens, all prompts, tokens of the longest of those)."""
+        over = total = longest = 0
+        for ref in self._shards:
+            for record in self._store.read_jsonl(ref.path):
+                total += 1
+                messages = record["messages"]
+                if sum(len(m["content"].encode()) + self._per_message for m in messages) <= room:
+                    continue
+                text = render_generation_prompt(self._tokenizer, messages, self._profile)
+                tokens = len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+                if tokens > room:
+                    over, longest = over + 1, max(longest, tokens)
+        return over, total, longest
 
 
-def longest_prompt_tokens(
-    store: RunStore, prompt_shards: list[ShardRef], tokenizer: PreTrainedTokenizerBase, profile: ModelProfile
-) -> int:
-    """Tokens of the longest rendered prompt: the longest few by characters are rendered and counted."""
-    conversations = (record["messages"] for ref in prompt_shards for record in store.read_jsonl(ref.path))
-    longest = heapq.nlargest(LONGEST_CANDIDATES, conversations, key=lambda ms: sum(len(m["content"]) for m in ms))
-    rendered = [render_generation_prompt(tokenizer, messages, profile) for messages in longest]
-    return max((len(ids) for ids in tokenizer(rendered, add_special_tokens=False)["input_ids"]), default=0)
+def check_context_length(endpoint: str, max_model_len: int | None, max_tokens: int, lengths: PromptLengths,
+                         min_accepted_rate: float) -> str | None:
+    """Prompt plus max_tokens must fit the served context, or the server refuses the request.
+
+    Refuses the run when too many prompts cannot fit for it to meet `min_accepted_rate` (a run that would end
+    with nothing); otherwise returns a warning naming the prompts that will be rejected and the fix.
+    """
+    if max_model_len is None:
+        return None
+    over, total, longest = lengths.beyond(max_model_len - max_tokens)
+    if not over:
+        return None
+    lower = f"set generation.max_tokens <= {max_model_len - longest} or " if longest < max_model_len else ""
+    fix = f"{lower}serve with --max-model-len >= {max_tokens + longest}"
+    found = (f"{endpoint} serves a context of {max_model_len} tokens (max_model_len): {over} of {total} prompts do "
+             f"not fit with generation.max_tokens {max_tokens} (the longest needs {max_tokens + longest})")
+    if over / total > 1 - min_accepted_rate:
+        raise ServerCheckFailed(f"{found}: {fix}")
+    return f"{found}; the server will refuse them and each is rejected with its reason; to keep them, {fix}"
 
 
 async def check_endpoint(
@@ -78,14 +103,15 @@ async def check_endpoint(
     generation: GenerationConfig,
     validation: ValidationConfig,
     probe_prompts: list[list[dict[str, str]]],
-    longest_prompt: int = 0,
+    lengths: PromptLengths | None = None,
 ) -> ProbeFinding:
     """Health, served model and its context length, then the reasoning probe on one endpoint."""
     async with OpenAIClient(endpoint, api_key(server), server.request_timeout_s) as client:
         await wait_until_healthy(client, server.startup_timeout_s)
         served = await client.served_models()
         check_served_model(endpoint, list(served), model)
-        check_context_length(endpoint, served[model], generation.max_tokens, longest_prompt)
+        warning = None if lengths is None else check_context_length(
+            endpoint, served[model], generation.max_tokens, lengths, validation.min_accepted_rate)
         max_tokens = min(generation.max_tokens, PROBE_MAX_TOKENS)
         completions: list[Completion] = []
         refused: list[str] = []
@@ -104,7 +130,8 @@ async def check_endpoint(
                 break
         if not completions:
             raise ServerCheckFailed(f"{endpoint} refused every probe request: {refused[-1] if refused else 'none'}")
-        return diagnose(endpoint, list(served), completions, profile, validation.allow_inline_reasoning)
+        finding = diagnose(endpoint, list(served), completions, profile, validation.allow_inline_reasoning)
+        return replace(finding, max_model_len=served[model], context_warning=warning)
 
 
 async def check_servers_async(
@@ -114,12 +141,12 @@ async def check_servers_async(
     generation: GenerationConfig,
     validation: ValidationConfig,
     probe_prompts: list[list[dict[str, str]]],
-    longest_prompt: int = 0,
+    lengths: PromptLengths | None = None,
 ) -> list[ProbeFinding]:
     return list(
         await asyncio.gather(
             *(
-                check_endpoint(url, model, profile, server, generation, validation, probe_prompts, longest_prompt)
+                check_endpoint(url, model, profile, server, generation, validation, probe_prompts, lengths)
                 for url in server.endpoints
             )
         )
@@ -138,15 +165,18 @@ def check_servers(
     output_uri: str,
     run_name: str,
 ) -> list[ProbeFinding]:
-    """Fail the run before generation unless every endpoint is up, serves the model with room for the longest
-    prompt plus max_tokens, and reasons visibly.
+    """Fail the run before generation unless every endpoint is up, serves the model with room for (enough of)
+    the prompts plus max_tokens, and reasons visibly.
 
     The probe sends the run's first prompts with the run's own settings, so it tests what generation will do.
     """
     store = RunStore(output_uri, run_name)
     prompts = [record["messages"] for record in store.read_jsonl(prompt_shards[0].path)[:PROBE_CANDIDATES]]
-    longest = longest_prompt_tokens(store, prompt_shards, load_tokenizer(tokenizer), profile)
-    findings = asyncio.run(check_servers_async(model, profile, server, generation, validation, prompts, longest))
+    lengths = PromptLengths(store, prompt_shards, load_tokenizer(tokenizer), profile)
+    findings = asyncio.run(check_servers_async(model, profile, server, generation, validation, prompts, lengths))
+    for finding in findings:
+        if finding.context_warning:
+            get_run_logger().warning(finding.context_warning)
     manifest = store.read_json(MANIFEST)
     manifest["probe"] = [asdict(finding) for finding in findings]
     store.write_json(MANIFEST, manifest)

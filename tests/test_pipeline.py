@@ -5,6 +5,10 @@ tokenizer: every stage, the cache, the one-line errors, and secrets kept out of 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -231,3 +235,144 @@ def test_rerun_failed_reads_the_manifest_and_redoes_only_what_failed(tiny_model:
     assert [q for q in asked_again if "France" in q] == ["What is the capital of France?"]
     assert len(asked_again) <= 3, "the probe's two prompts and the one that failed"
     assert main(["verify", str(tmp_path / "flow")]) == 0
+
+
+def write_config(path: Path, cfg: PipelineConfig) -> str:
+    import yaml
+
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    return str(path)
+
+
+def manifest_of(run: Path) -> dict[str, Any]:
+    return json.loads((run / "manifest.json").read_text())
+
+
+def test_max_tokens_beyond_the_served_context_fails_before_any_request(tiny_model: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), max_model_len=2048)
+    with ScriptedServer(script) as server:
+        cfg = config(tiny_model, server.url, tmp_path, generation__max_tokens=4096, hidden_states__backend="none")
+        assert main(["run", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 1
+        assert server.log.requests == 0, "refused from /v1/models alone"
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+    assert re.search(r"(\d+) of \1 prompts do not fit with generation.max_tokens 4096", err)
+    assert re.search(r"set generation.max_tokens <= \d+ or serve with --max-model-len >= \d+", err)
+    manifest = manifest_of(tmp_path / "flow")
+    assert manifest["status"] == "failed" and "max_model_len" in manifest["cause"]
+
+
+def test_a_run_whose_every_request_is_refused_ends_failed_and_recovers_after_the_fix(
+        tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A server that does not report its context: the probe's short requests pass, every real one is refused."""
+    script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), max_model_len=400,
+                    report_max_model_len=False)
+    with ScriptedServer(script) as server:
+        cfg = config(tiny_model, server.url, tmp_path, generation__max_tokens=4096, hidden_states__backend="none",
+                     validation__early_abort_after=8)
+        assert main(["run", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 1
+        assert server.log.requests == 2 + 8, "the probe, then the early-abort window, then nothing"
+        err = capsys.readouterr().err
+        assert "early abort: the server refused 8 of the first 8 requests" in err and "maximum context" in err
+        assert manifest_of(tmp_path / "flow")["status"] == "failed"
+        assert main(["verify", str(tmp_path / "flow")]) == 1
+        fixed = config(tiny_model, server.url, tmp_path, generation__max_tokens=64, hidden_states__backend="none")
+        assert main(["run", "--config", write_config(tmp_path / "c.yaml", fixed)]) == 0, "same run, fixed setting"
+    assert manifest_of(tmp_path / "flow")["status"] == "completed"
+    assert not list((tmp_path / "flow" / "rejected").glob("generations-*")), "the refused window was asked again"
+    assert main(["verify", str(tmp_path / "flow")]) == 0
+
+
+def test_a_run_that_keeps_too_few_samples_ends_failed_with_the_common_reason(
+        tiny_model: Path, server: ScriptedServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = config(tiny_model, server.url, tmp_path, sequences__max_seq_len=16, hidden_states__backend="none")
+    assert main(["run", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"only 0 of \d+ prompts reached the training set \(0% < validation.min_accepted_rate 50%\); "
+                     r"most common reason \(\d+×\): \d+ tokens > sequences.max_seq_len 16", err)
+    assert manifest_of(tmp_path / "flow")["status"] == "failed"
+    assert list((tmp_path / "flow" / "rejected").glob("sequences-*.jsonl")), "every dropped sample is listed"
+
+
+def test_an_unwritable_output_uri_is_one_line_naming_it(tiny_model: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    cfg = config(tiny_model, "http://127.0.0.1:9", tmp_path / "a-file" / "runs")
+    assert main(["run", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "output_uri: cannot write the run folder" in err
+
+
+def test_a_probe_error_is_the_last_line_and_its_traceback_is_in_the_run_log(
+        tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, faults=["http-500"] * 3)) as server:
+        cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none")
+        assert main(["run", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "HTTP 500" in err and "see the server's log" in err
+    log = re.search(r"\(details: (\S+\.log)\)$", err.strip())
+    assert log and "Traceback" in Path(log.group(1)).read_text()
+    assert manifest_of(tmp_path / "flow")["status"] == "failed"
+
+
+def start_cli(config_path: str, tmp_path: Path) -> subprocess.Popen[str]:
+    """The command as a user runs it, in its own process, against this module's Prefect API."""
+    import os
+
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value() or ""}
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", config_path], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_a_server_killed_mid_run_ends_the_process_failed_within_give_up_after_s(
+        tiny_model: Path, tmp_path: Path) -> None:
+    server = ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)),
+                                   latency_s=0.1)).__enter__()
+    cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none", server__give_up_after_s=3,
+                 server__max_in_flight=2, validation__early_abort_after=4)
+    child = start_cli(write_config(tmp_path / "c.yaml", cfg), tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while server.log.requests < 10:
+            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+            time.sleep(0.05)
+    finally:
+        server.__exit__(None, None, None)
+    _, err = child.communicate(timeout=120)
+    assert child.returncode == 1
+    assert err.strip().splitlines()[-1].startswith("error: gave up: "), err[-2000:]
+    assert "Traceback" not in err
+    assert manifest_of(tmp_path / "flow")["status"] == "failed"
+
+
+def test_verify_after_a_kill_says_what_is_missing_and_the_next_run_says_it_was_interrupted(
+        tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    import signal
+
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)),
+                               latency_s=0.2)) as server:
+        cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none", server__max_in_flight=2)
+        child = start_cli(write_config(tmp_path / "c.yaml", cfg), tmp_path)
+        deadline = time.monotonic() + 120
+        while server.log.requests < 12:
+            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+            time.sleep(0.05)
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        capsys.readouterr()
+        assert main(["verify", str(tmp_path / "flow")]) == 1
+        out = capsys.readouterr().out
+        assert "missing: generations/shard-00000.jsonl" in out
+        assert out.strip().splitlines()[-1].startswith("NOT complete: the run did not end")
+        assert main(["run", "--config", str(tmp_path / "c.yaml")]) == 0
+    manifest = manifest_of(tmp_path / "flow")
+    assert manifest["status"] == "completed" and len(manifest["interrupted"]) == 1
+    logs = sorted((tmp_path / "flow" / "logs").glob("run-*.log"))
+    assert "did not end" in logs[-1].read_text()
+    assert main(["verify", str(tmp_path / "flow")]) == 0
+    assert capsys.readouterr().out.strip().endswith("run complete and consistent")
