@@ -277,8 +277,8 @@ def record_run_end(status: str) -> Callable[[Any, Any, Any], None]:
         manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
         if manifest.get("status") != "running":
             return  # finish-run already ended it, or the run failed before it began
-        error = state.result(raise_on_failure=False)
-        if isinstance(error, TerminationSignal) or status == "cancelled":
+        error = None if status == "cancelled" else state.result(raise_on_failure=False)
+        if status == "cancelled" or isinstance(error, TerminationSignal):
             end_run(store, "cancelled", "stopped by a termination signal or a cancel: run again to resume; "
                                         "finished work is kept")
             return

@@ -5,6 +5,7 @@ shard running again.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -107,6 +108,10 @@ def test_a_failed_shard_is_retried_alone_through_the_api(prefect_env: dict[str, 
         run = _api(prefect_env, "POST", f"/deployments/{deployment['id']}/create_flow_run",
                    json={"parameters": {"config": config}})
         assert _final_state(prefect_env, run["id"]) == "FAILED", worker.read_text()[-3000:]
+        message = _api(prefect_env, "GET", f"/flow_runs/{run['id']}")["state"]["message"]
+        manifest = json.loads((tmp_path / "service" / "manifest.json").read_text())
+        assert manifest["status"] == "failed" and "could not be generated" in manifest["cause"]
+        assert manifest["cause"] in message, "the UI shows the same one-line cause as the manifest"
         asked_first = [b["messages"][-1]["content"] for b in server.log.bodies]
         failing = {q for q in asked_first if "France" in q}
         assert failing, "the demo questions mention France once"
@@ -121,3 +126,33 @@ def test_a_failed_shard_is_retried_alone_through_the_api(prefect_env: dict[str, 
     assert set(asked_after) - probe == failing, "only the failed shard's unfinished records were asked again"
     manifest = (tmp_path / "service" / "manifest.json").read_text()
     assert '"status": "completed"' in manifest
+
+
+def test_a_run_cancelled_from_the_ui_ends_its_manifest_cancelled(prefect_env: dict[str, str], worker: Path,
+                                                                 tiny_model: Path, tmp_path: Path) -> None:
+    script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), latency_s=0.5)
+    with ScriptedServer(script) as server:
+        config = {
+            "run_name": "cancelled", "output_uri": str(tmp_path),
+            "data": {"source": str(demo_questions()), "shard_size": 10},
+            "model": {"name": DEMO_MODEL_NAME, "profile": "qwen3", "tokenizer": str(tiny_model)},
+            "server": {"endpoints": [server.url], "max_in_flight": 1},
+            "hidden_states": {"backend": "none"},
+        }
+        deployment = next(d for d in _api(prefect_env, "POST", "/deployments/filter", json={})
+                          if d["name"] == "pipeline")
+        run = _api(prefect_env, "POST", f"/deployments/{deployment['id']}/create_flow_run",
+                   json={"parameters": {"config": config}})
+        deadline = time.monotonic() + 300
+        while server.log.requests < 6:  # the probe, then generation under way
+            assert time.monotonic() < deadline, worker.read_text()[-3000:]
+            time.sleep(0.2)
+        _api(prefect_env, "POST", f"/flow_runs/{run['id']}/set_state",
+             json={"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True})
+        assert _final_state(prefect_env, run["id"]) == "CANCELLED", worker.read_text()[-3000:]
+    deadline = time.monotonic() + 60
+    manifest_path = tmp_path / "cancelled" / "manifest.json"
+    while json.loads(manifest_path.read_text())["status"] == "running" and time.monotonic() < deadline:
+        time.sleep(0.5)  # the worker runs the flow's on_cancellation hook after killing the run
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["status"] == "cancelled" and "run again to resume" in manifest["cause"]

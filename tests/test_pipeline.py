@@ -186,9 +186,10 @@ def test_a_dataset_without_a_prompt_column_is_one_line(tiny_model: Path, tmp_pat
     assert err.count("\n") == 1 and "question" in err and "conversations" in err
 
 
-def test_a_quarantined_shard_is_kept_marked_and_kept_out(tiny_model: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Empty reasoning in one shard only (past the early-abort window): that shard is quarantined, not trained on."""
+def test_a_quarantined_shard_is_kept_marked_and_kept_out_until_redone_on_request(
+        tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Empty reasoning in one shard only (past the early-abort window): that shard is quarantined, not trained on,
+    and generated again only when `rerun-failed --redo-quarantined` asks for it."""
     from eagle3_datagen.storage import RunStore
     from tasks.prompts import build_prompt_shards
 
@@ -220,6 +221,17 @@ def test_a_quarantined_shard_is_kept_marked_and_kept_out(tiny_model: Path, tmp_p
     assert manifest["shards"]["shard-00001"]["validation"]["status"] == "quarantine"
     assert manifest["shards"]["shard-00000"]["sequences"]["status"] == "done"
     assert (run / "report.md").exists() and (run / "reasoning_lengths.png").read_bytes()[:4] == b"\x89PNG"
+
+    monkeypatch.undo()  # the server is fixed: thinking is on for every question
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)))) as server:
+        endpoint = f"server.endpoints=[{server.url}]"
+        assert main(["rerun-failed", str(run), "--set", endpoint]) == 1, "a quarantined shard is not redone unasked"
+        assert "quarantined shard-00001 stay as they are (add --redo-quarantined" in capsys.readouterr().out
+        assert main(["rerun-failed", str(run), "--set", endpoint, "--redo-quarantined"]) == 0
+        assert "generate quarantined shard-00001 again" in capsys.readouterr().out
+    assert manifest_of(run)["status"] == "completed"
+    assert list(run.glob("quarantine/*/generations/shard-00001.jsonl")), "the quarantined records are kept aside"
+    assert main(["verify", str(run)]) == 0
 
 
 def test_rerun_failed_reads_the_manifest_and_redoes_only_what_failed(tiny_model: Path, tmp_path: Path) -> None:
@@ -376,3 +388,4 @@ def test_verify_after_a_kill_says_what_is_missing_and_the_next_run_says_it_was_i
     assert "did not end" in logs[-1].read_text()
     assert main(["verify", str(tmp_path / "flow")]) == 0
     assert capsys.readouterr().out.strip().endswith("run complete and consistent")
+

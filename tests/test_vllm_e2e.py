@@ -85,6 +85,19 @@ def test_a_prompt_longer_than_the_context_is_rejected_and_the_run_goes_on(
     assert "context" in rejected[0]["reason"] or "max" in rejected[0]["reason"]
     generated = (tmp_path / "demo/generations/shard-00000.jsonl").read_text().splitlines()
     assert len(generated) == 2
+    [probe] = json.loads((tmp_path / "demo/manifest.json").read_text())["probe"]
+    assert probe["max_model_len"] == 2048 and "1 of 3 prompts do not fit" in probe["context_warning"]
+
+
+def test_max_tokens_beyond_the_served_context_is_refused_before_generation(
+        tiny_model: Path, vllm_server: LocalVLLMServer, tmp_path: Path) -> None:
+    config = served_config(tiny_model, vllm_server, tmp_path, generation={"max_tokens": 4096},
+                           hidden_states={"backend": "none"})
+    with pytest.raises(ServerCheckFailed, match=r"context of 2048 tokens .* serve with --max-model-len >= \d+"):
+        run_pipeline(config)
+    manifest = json.loads((tmp_path / "demo/manifest.json").read_text())
+    assert manifest["status"] == "failed" and "max_model_len" in manifest["cause"]
+    assert not (tmp_path / "demo" / "generations").exists()
 
 
 def test_thinking_switched_off_stops_the_run_before_any_shard(tiny_model: Path, vllm_server: LocalVLLMServer,
