@@ -62,14 +62,14 @@ class ServerConfig(_Section):
     max_retries: int = Field(default=5, ge=0, description="Retries of a request on 408/429/5xx and dropped links.")
     retry_backoff_s: float = Field(default=1.0, gt=0, description="First retry delay; doubles each try, jittered.")
     give_up_after_s: float = Field(
-        default=600.0, gt=0,
+        default=300.0, gt=0,
         description="End the run (Failed, finished records kept) when no request has succeeded on any endpoint "
-        "for this long while every endpoint was backing off.",
+        "for this long while every endpoint was away or busy (refused connections, timeouts, 429, 502-504).",
     )
     max_consecutive_errors: PositiveInt = Field(
-        default=100,
-        description="End the run when this many requests in a row fail (errors of requests already in flight when "
-        "their endpoint was marked down are not counted).",
+        default=32,
+        description="Stop sending to an endpoint that answered this many requests in a row with an error (HTTP "
+        "500 or a malformed response); the run ends when no endpoint is left.",
     )
 
     @field_validator("endpoints")

@@ -34,6 +34,12 @@ class RequestFailed(RuntimeError):
         self.status = status
         self.retryable = retryable
 
+    @property
+    def broken_answer(self) -> bool:
+        """The server answered, and the answer says it is broken (HTTP 500, or a body that breaks the protocol),
+        as opposed to busy or away (429, 502-504, timeouts, refused connections), which waiting can cure."""
+        return self.status in (200, 500)
+
 
 @dataclass(frozen=True)
 class Completion:

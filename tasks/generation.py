@@ -5,8 +5,9 @@ whatever shard it belongs to. Records are appended to a shard's partial log as t
 run resumes without repeating a finished request; a finished shard is written atomically.
 
 Failure is bounded: an endpoint that keeps failing is backed off (one warning when it goes down, one when it
-recovers), and the run gives up, keeping what it finished, after `server.max_consecutive_errors` failures in
-a row or `server.give_up_after_s` without a success. Stage verdicts are UserErrors, never retried by Prefect.
+recovers), and the run gives up, keeping what it finished, once every endpoint has answered
+`server.max_consecutive_errors` requests in a row with an error, or after `server.give_up_after_s` without a
+success. Stage verdicts are UserErrors, never retried by Prefect.
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class _Endpoint:
     down_since: float | None = None
     available_at: float = 0.0
     trial_in_flight: bool = False
+    broken_answers: int = 0  # HTTP 500 or protocol-breaking answers in a row
+    dead: bool = False  # given up on: no more requests go to it
     sent: int = 0
 
 
@@ -107,10 +110,11 @@ class EndpointPool:
     """The shared in-flight budget: picks the endpoint with the most free slots, backs off failing ones.
 
     A failing endpoint is marked down after three failures in a row and then gets one trial request per
-    cool-down (1, 2, 4… up to 30 s) until one succeeds. The pool closes, and the run gives up, after
-    `max_consecutive_errors` counted failures in a row, or once every endpoint has been down with no success
-    for `give_up_after_s`. Failures of requests already in flight when their endpoint went down are not
-    counted: one outage is one event, not a burst of them.
+    cool-down (1, 2, 4… up to 30 s) until one succeeds: a server that is away or busy (refused connections,
+    timeouts, 429/502/503/504) is waited for, up to `give_up_after_s` without any success anywhere. A server
+    that answers, but with errors (HTTP 500, a response that breaks the protocol), is given up on after
+    `max_consecutive_errors` such answers in a row. The pool closes, and the run gives up, when no endpoint
+    is left or the wait is over.
     """
 
     def __init__(self, endpoints: list[_Endpoint], server: ServerConfig, log: Log) -> None:
@@ -121,12 +125,13 @@ class EndpointPool:
         self._changed = asyncio.Condition()
         self._timers: list[asyncio.TimerHandle] = []
         self._wakers: set[asyncio.Task[None]] = set()
-        self.consecutive_errors = 0
         self.last_success = time.monotonic()
         self.last_error = ""
         self.gave_up: str | None = None
 
     def _ready(self, endpoint: _Endpoint, now: float) -> bool:
+        if endpoint.dead:
+            return False
         if endpoint.down_since is None:
             return endpoint.in_flight < self.budget
         return now >= endpoint.available_at and not endpoint.trial_in_flight
@@ -154,22 +159,36 @@ class EndpointPool:
             endpoint.trial_in_flight &= not trial
             now = time.monotonic()
             if error is None:
-                self._succeeded(endpoint, now)
-            elif endpoint.down_since is None or trial:
-                self._failed(endpoint, trial, error, now)
+                self._succeeded(endpoint, trial, now)
+            else:
+                self._answered_broken(endpoint, error)
+                if not endpoint.dead and (endpoint.down_since is None or trial):
+                    self._failed(endpoint, trial, error, now)
             self.check(now)
             self._changed.notify_all()
 
-    def _succeeded(self, endpoint: _Endpoint, now: float) -> None:
-        self.consecutive_errors = endpoint.failures = endpoint.trips = 0
+    def _succeeded(self, endpoint: _Endpoint, trial: bool, now: float) -> None:
+        """A success; only a trial's brings a down endpoint back (one sent before it went down proves nothing)."""
         self.last_success = now
+        if endpoint.down_since is not None and not trial:
+            return
+        endpoint.failures = endpoint.trips = endpoint.broken_answers = 0
         if endpoint.down_since is not None:
             self._log.warning("endpoint %s recovered after %.0fs down", endpoint.url, now - endpoint.down_since)
             endpoint.down_since = None
 
-    def _failed(self, endpoint: _Endpoint, trial: bool, error: RequestFailed, now: float) -> None:
-        self.consecutive_errors += 1
+    def _answered_broken(self, endpoint: _Endpoint, error: RequestFailed) -> None:
         self.last_error = str(error)
+        endpoint.broken_answers += error.broken_answer
+        limit = self._server.max_consecutive_errors
+        if endpoint.broken_answers < limit or endpoint.dead:
+            return
+        endpoint.dead = True
+        if any(not e.dead for e in self.endpoints):
+            self._log.warning("endpoint %s answered %d requests in a row with an error (server.max_consecutive_errors"
+                              "): no more requests go to it; last: %s", endpoint.url, limit, error)
+
+    def _failed(self, endpoint: _Endpoint, trial: bool, error: RequestFailed, now: float) -> None:
         if not trial:
             endpoint.failures += 1
             if endpoint.failures < ENDPOINT_FAILURES_BEFORE_BACKOFF:
@@ -200,10 +219,11 @@ class EndpointPool:
             return
         limit = self._server.max_consecutive_errors
         silent = now - self.last_success
-        all_down = all(e.down_since is not None for e in self.endpoints)
-        if self.consecutive_errors >= limit:
-            self.gave_up = f"{self.consecutive_errors} requests in a row failed (server.max_consecutive_errors {limit})"
-        elif all_down and silent >= self._server.give_up_after_s:
+        alive = [e for e in self.endpoints if not e.dead]
+        if not alive:
+            self.gave_up = (f"every endpoint answered {limit} requests in a row with an error "
+                            f"(server.max_consecutive_errors {limit})")
+        elif all(e.down_since is not None for e in alive) and silent >= self._server.give_up_after_s:
             self.gave_up = (f"no endpoint answered successfully for {silent:.0f}s "
                             f"(server.give_up_after_s {self._server.give_up_after_s:.0f})")
         else:

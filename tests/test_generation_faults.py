@@ -296,7 +296,8 @@ def test_a_server_that_fails_every_request_ends_the_run_after_the_consecutive_er
     refs = write_prompt_shards(store, 2, 16)
     started = time.monotonic()
     with ScriptedServer(Script(faults=["http-500"] * 10_000)) as server, caplog.at_level(logging.DEBUG, "test"):
-        with pytest.raises(GenerationError, match=r"gave up: 10 requests in a row failed .*HTTP 500"):
+        with pytest.raises(GenerationError, match=r"gave up: every endpoint answered 10 requests in a row with an "
+                                                  r"error .*HTTP 500"):
             run_generation(store, refs, [server.url], budget=8, max_consecutive_errors=10)
         sent = server.log.requests
     assert sent <= 8 + 10, "at most one budget of requests in flight plus the limit"
