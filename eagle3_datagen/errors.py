@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from eagle3_datagen.secrets import redact
+from eagle3_datagen.redaction import redact
 
 
 class Eagle3Error(Exception):

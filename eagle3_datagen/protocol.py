@@ -16,7 +16,7 @@ import aiohttp
 
 from eagle3_datagen.config import GenerationConfig, ServerConfig
 from eagle3_datagen.profiles import ModelProfile
-from eagle3_datagen.secrets import register_secret
+from eagle3_datagen.redaction import register_secret
 
 REASONING_FIELDS = ("reasoning", "reasoning_content")
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})

@@ -26,7 +26,7 @@ from eagle3_datagen.artifacts import MANIFEST, artifact_path, prompt_id_of, reje
 from eagle3_datagen.config import ConfigError, PipelineConfig, parse_config
 from eagle3_datagen.errors import UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
-from eagle3_datagen.secrets import redact
+from eagle3_datagen.redaction import redact
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
 

@@ -112,7 +112,7 @@ def test_the_api_key_is_sent_but_never_reaches_an_artifact(tiny_model: Path, ser
                                                            monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     from prefect.blocks.system import Secret
 
-    from eagle3_datagen.secrets import redact
+    from eagle3_datagen.redaction import redact
 
     secret = f"sk-very-secret-{where}-4f1d9c"
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
