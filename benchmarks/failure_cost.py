@@ -17,7 +17,6 @@ import tempfile
 import threading
 import time
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.scripted_server import Script, ScriptedServer
@@ -39,8 +38,7 @@ def _run(prompts: int, script: Script, server_config: dict[str, object], kill_af
         store = RunStore(folder, "run")
         rows = [{"id": f"p{i}", "row": i, "messages": [{"role": "user", "content": f"question {i}"}]}
                 for i in range(prompts)]
-        store.write_jsonl(artifact_path("prompts", 0), rows)
-        refs = [ShardRef("prompts", 0, artifact_path("prompts", 0), prompts, "bench")]
+        refs = [store.write_shard("prompts", 0, rows)]
         log = logging.getLogger("failure-cost")
         log.propagate = False
         counter = _Count()

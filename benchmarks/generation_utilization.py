@@ -36,7 +36,7 @@ from typing import Any
 
 import httpx
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path
+from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.scripted_server import Script, scripted_latency
@@ -147,8 +147,7 @@ def write_prompts(store: RunStore, requests: int, shard_size: int) -> list[Shard
     for index, first in enumerate(range(0, requests, shard_size)):
         rows = [{"id": f"p{row}", "row": row, "messages": [{"role": "user", "content": f"question {row}"}]}
                 for row in range(first, min(requests, first + shard_size))]
-        store.write_jsonl(artifact_path("prompts", index), rows)
-        refs.append(ShardRef("prompts", index, artifact_path("prompts", index), len(rows), "bench"))
+        refs.append(store.write_shard("prompts", index, rows))
     return refs
 
 

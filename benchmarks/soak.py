@@ -14,7 +14,7 @@ import tempfile
 import threading
 import time
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path
+from eagle3_datagen.artifacts import artifact_path, rejected_path
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.scripted_server import RANDOM_FAULTS, Script, ScriptedServer
@@ -36,8 +36,7 @@ def main() -> None:
     for index, start in enumerate(range(0, args.records, args.shard_size)):
         rows = [{"id": f"r{i}", "row": i, "messages": [{"role": "user", "content": f"soak question {i}"}]}
                 for i in range(start, min(start + args.shard_size, args.records))]
-        store.write_jsonl(artifact_path("prompts", index), rows)
-        refs.append(ShardRef("prompts", index, artifact_path("prompts", index), len(rows), "soak"))
+        refs.append(store.write_shard("prompts", index, rows))
     # every transient fault, a few slow answers past the timeout, and a few refusals (HTTP 400) that must end
     # up rejected with the server's reason, never lost
     faults = (*RANDOM_FAULTS, *RANDOM_FAULTS, "slow", "http-400")

@@ -17,7 +17,8 @@ from typing import IO, Any, TypeVar
 import fsspec
 from fsspec.core import url_to_fs
 
-from eagle3_datagen.errors import ConfigurationError
+from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
+from eagle3_datagen.errors import ConfigurationError, UserError
 
 T = TypeVar("T")
 _BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
@@ -29,6 +30,10 @@ class StoragePathError(ConfigurationError, ValueError):
 
 class OutputNotWritable(ConfigurationError):
     """`output_uri` names a place this process cannot write."""
+
+
+class ArtifactChanged(UserError, ValueError):
+    """A stage's input no longer matches the hash its producer recorded (and downstream caches are keyed on)."""
 
 
 class RunStore:
@@ -107,6 +112,27 @@ class RunStore:
 
     def write_json(self, rel: str, value: Any) -> None:
         self.write_bytes(rel, (json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode())
+
+    def write_shard(self, stage: str, index: int, records: list[dict[str, Any]]) -> ShardRef:
+        """Write one JSONL shard of a stage atomically; returns the reference the next stage reads it by."""
+        path = artifact_path(stage, index)
+        data = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode()
+        self.write_bytes(path, data)
+        return ShardRef(stage, index, path, len(records), sha256_hex(data))
+
+    def read_shard(self, ref: ShardRef) -> bytes:
+        """The one way a stage reads the previous stage's output: refused if it changed since it was written."""
+        data = self.read_bytes(ref.path)
+        if sha256_hex(data) != ref.sha256:
+            raise ArtifactChanged(
+                f"{ref.path} changed since the {ref.stage} stage wrote it: run the pipeline again so the "
+                f"{ref.stage} stage writes it anew (finished work elsewhere is kept)"
+            )
+        return data
+
+    def read_shard_records(self, ref: ShardRef) -> list[dict[str, Any]]:
+        """The JSONL records of a checked shard."""
+        return [json.loads(line) for line in self.read_shard(ref).decode("utf-8").splitlines() if line.strip()]
 
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in self.read_text(rel).splitlines() if line.strip()]

@@ -398,12 +398,10 @@ def finalize_shard(store: RunStore, state: _ShardState) -> ShardRef:
     rejected = [e["rejected"] for e in ordered if "rejected" in e]
     if rejected:
         store.write_jsonl(rejected_path("generations", state.ref.index), rejected)
-    path = artifact_path("generations", state.ref.index)
-    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-    store.write_bytes(path, data)
+    ref = store.write_shard("generations", state.ref.index, records)
     state.close()
     state.log_path.unlink(missing_ok=True)
-    return ShardRef("generations", state.ref.index, path, len(records), sha256_hex(data))
+    return ref
 
 
 def finished_shard(
@@ -462,7 +460,7 @@ def unfinished_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: 
     store = RunStore(output_uri, run_name)
     unfinished = []
     for ref in prompt_shards:
-        prompts = store.read_jsonl(ref.path)
+        prompts = store.read_shard_records(ref)
         done = finished_shard(store, ref.index, prompts)
         if done is None or len(done[1]) < len(prompts):
             unfinished.append(ref.index)
@@ -525,7 +523,7 @@ class GenerationScheduler:
         check_settings(self.store, self.settings)
         seed_base = self.settings.generation.seed
         for ref in prompt_shards:
-            prompts = self.store.read_jsonl(ref.path)
+            prompts = self.store.read_shard_records(ref)
             previous = finished_shard(self.store, ref.index, prompts)
             if previous is not None and len(previous[1]) == len(prompts):
                 self.finished[ref.index] = previous[0]

@@ -62,7 +62,7 @@ class PromptLengths:
         """(prompts longer than `room` tokens, all prompts, tokens of the longest of those)."""
         over = total = longest = 0
         for ref in self._shards:
-            for record in self._store.read_jsonl(ref.path):
+            for record in self._store.read_shard_records(ref):
                 total += 1
                 messages = record["messages"]
                 if sum(len(m["content"].encode()) + self._per_message for m in messages) <= room:
@@ -171,7 +171,7 @@ def check_servers(
     The probe sends the run's first prompts with the run's own settings, so it tests what generation will do.
     """
     store = RunStore(output_uri, run_name)
-    prompts = [record["messages"] for record in store.read_jsonl(prompt_shards[0].path)[:PROBE_CANDIDATES]]
+    prompts = [record["messages"] for record in store.read_shard_records(prompt_shards[0])[:PROBE_CANDIDATES]]
     lengths = PromptLengths(store, prompt_shards, load_tokenizer(tokenizer), profile)
     findings = asyncio.run(check_servers_async(model, profile, server, generation, validation, prompts, lengths))
     for finding in findings:

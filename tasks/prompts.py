@@ -17,7 +17,7 @@ from typing import Any, Literal
 import datasets
 from prefect import task
 
-from eagle3_datagen.artifacts import PROMPTS_SUMMARY, REJECTED_PATH, ShardRef, artifact_path, sha256_hex
+from eagle3_datagen.artifacts import PROMPTS_SUMMARY, REJECTED_PATH, ShardRef, sha256_hex
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
 from eagle3_datagen.errors import ConfigurationError, retry_unless_user_error
@@ -231,10 +231,10 @@ def write_prompt_shards(
             first_row_of[pid] = index
             batch.append({"id": pid, "messages": messages, "row": index, "turn": turn})
             if len(batch) == shard_size:
-                shards.append(_write_shard(store, len(shards), batch))
+                shards.append(store.write_shard("prompts", len(shards), batch))
                 batch = []
     if batch:
-        shards.append(_write_shard(store, len(shards), batch))
+        shards.append(store.write_shard("prompts", len(shards), batch))
     store.write_jsonl(REJECTED_PATH, rejections)
     store.write_json(PROMPTS_SUMMARY, {"rows": read, "accepted_rows": accepted, "rejected_rows": len(rejections),
                                        "prompts": len(first_row_of), "shards": len(shards)})
@@ -267,24 +267,10 @@ def _check_columns(row: dict[str, Any], fmt: PromptFormat, source: str) -> None:
     )
 
 
-def _write_shard(store: RunStore, index: int, records: list[dict[str, Any]]) -> ShardRef:
-    path = artifact_path("prompts", index)
-    store.write_jsonl(path, records)
-    return ShardRef("prompts", index, path, len(records), sha256_hex(store.read_bytes(path)))
-
-
 def build_prompt_shards(data: DataConfig, store: RunStore) -> PromptLoadResult:
     """The whole stage for one data config, without Prefect."""
     rows = load_rows(data.source, data.split, data.limit)
     return write_prompt_shards(rows, store, data.shard_size, data.format, source=data.source, turns=data.turns)
-
-
-def read_prompt_shard(store: RunStore, ref: ShardRef) -> list[dict[str, Any]]:
-    """The records of one prompt shard, refused if the file no longer matches the hash downstream caches use."""
-    data = store.read_bytes(ref.path)
-    if sha256_hex(data) != ref.sha256:
-        raise DataSourceError(f"{ref.path} changed since the prompts stage wrote it; re-run the prompts stage")
-    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
 
 
 @task(name="load-prompts", retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,

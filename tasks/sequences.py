@@ -145,7 +145,7 @@ def build_sequence_shard(
     store = RunStore(output_uri, run_name)
     tok = load_tokenizer(tokenizer)
     spec = discover_think_tokens(tok, profile)
-    sequences, rejected = build_sequences(store.read_jsonl(generations.path), tok, profile, spec, settings)
+    sequences, rejected = build_sequences(store.read_shard_records(generations), tok, profile, spec, settings)
     if rejected:
         store.write_jsonl(rejected_path("sequences", generations.index), rejected)
     data = to_parquet(sequences)

@@ -151,7 +151,7 @@ def validate_generations(
 ) -> ShardRef:
     """Write validation/shard-NNNNN.json and a UI artifact; fail the shard if it is quarantined."""
     store = RunStore(output_uri, run_name)
-    records = store.read_jsonl(generations.path)
+    records = store.read_shard_records(generations)
     tok = load_tokenizer(tokenizer)
     spec = discover_think_tokens(tok, profile) if profile.single_token_tags else None
     report = validate_records(generations.index, records, profile, thresholds,

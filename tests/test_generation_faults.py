@@ -34,8 +34,7 @@ def write_prompt_shards(store: RunStore, shards: int, per_shard: int) -> list[Sh
     for index in range(shards):
         rows = [{"id": f"p{index}-{i}", "row": index * per_shard + i,
                  "messages": [{"role": "user", "content": f"question {index}-{i}"}]} for i in range(per_shard)]
-        store.write_jsonl(artifact_path("prompts", index), rows)
-        refs.append(ShardRef("prompts", index, artifact_path("prompts", index), per_shard, "x"))
+        refs.append(store.write_shard("prompts", index, rows))
     return refs
 
 
@@ -157,7 +156,7 @@ from eagle3_datagen.storage import RunStore
 from tasks.generation import generate_async
 sys.path.insert(0, {tests!r})
 from test_generation_faults import settings
-refs = [ShardRef("prompts", i, f"prompts/shard-{{i:05d}}.jsonl", 30, "x") for i in range(3)]
+refs = {refs!r}
 server = ServerConfig(endpoints=[{url!r}], max_in_flight=4)
 asyncio.run(generate_async(RunStore({root!r}, "run"), refs, settings(), server, ValidationConfig(),
                            logging.getLogger("child")))
@@ -169,7 +168,7 @@ def test_a_killed_run_resumes_without_repeating_or_losing_a_record(tmp_path: Pat
     refs = write_prompt_shards(store, 3, 30)
     partial = tmp_path / "run" / "generations" / "shard-00001.partial.jsonl"
     with ScriptedServer(Script(latency_s=0.03)) as server:
-        code = KILLABLE.format(tests=str(Path(__file__).parent), url=server.url, root=str(tmp_path))
+        code = KILLABLE.format(tests=str(Path(__file__).parent), url=server.url, root=str(tmp_path), refs=refs)
         child = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
         deadline = time.monotonic() + 60
         while not (partial.exists() and len(partial.read_text().splitlines()) >= 10):
@@ -256,11 +255,11 @@ def test_a_grown_dataset_generates_only_the_new_prompts(tmp_path: Path) -> None:
     store = RunStore(str(tmp_path), "run")
     [ref] = write_prompt_shards(store, 1, 6)
     rows = store.read_jsonl(ref.path)
-    store.write_jsonl(ref.path, rows[:4])  # yesterday's dataset: the shard had 4 prompts
+    yesterday = store.write_shard("prompts", 0, rows[:4])  # yesterday's dataset: the shard had 4 prompts
     with ScriptedServer(Script()) as server:
-        run_generation(store, [ref], [server.url])
-        store.write_jsonl(ref.path, rows)  # tonight: two more prompts landed in the same shard
-        [done] = run_generation(store, [ref], [server.url])
+        run_generation(store, [yesterday], [server.url])
+        tonight = store.write_shard("prompts", 0, rows)  # two more prompts landed in the same shard
+        [done] = run_generation(store, [tonight], [server.url])
         asked = [b["messages"][-1]["content"] for b in server.log.bodies]
     assert asked[4:] == ["question 0-4", "question 0-5"], "finished prompts are not asked again"
     assert [r["id"] for r in store.read_jsonl(done.path)] == [r["id"] for r in rows]

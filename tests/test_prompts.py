@@ -25,7 +25,6 @@ from tasks.prompts import (
     load_rows,
     normalize_messages,
     prompt_id,
-    read_prompt_shard,
     write_prompt_shards,
 )
 
@@ -70,7 +69,7 @@ def run(tmp_path: Path, source: Path | str, **data: Any) -> tuple[PromptLoadResu
 
 
 def all_records(store: RunStore, result: PromptLoadResult) -> list[dict[str, Any]]:
-    return [record for ref in result.shards for record in read_prompt_shard(store, ref)]
+    return [record for ref in result.shards for record in store.read_shard_records(ref)]
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
@@ -304,7 +303,7 @@ def test_a_changed_shard_is_refused_by_the_next_stage(tmp_path: Path) -> None:
     ref = result.shards[0]
     store.write_jsonl(ref.path, [{"id": "x", "messages": [], "row": 0}])
     with pytest.raises(ValueError, match="changed since the prompts stage wrote it"):
-        read_prompt_shard(store, ref)
+        store.read_shard_records(ref)
 
 
 def test_rows_from_any_iterable_keep_the_invariant(tmp_path: Path) -> None:
