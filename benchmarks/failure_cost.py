@@ -19,8 +19,8 @@ import time
 
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
-from eagle3_datagen.scripted_server import Script, ScriptedServer
 from eagle3_datagen.storage import RunStore
+from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from tasks.generation import GenerationError, GenerationSettings, generate_async
 
 

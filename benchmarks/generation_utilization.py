@@ -39,8 +39,8 @@ import httpx
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
-from eagle3_datagen.scripted_server import Script, scripted_latency
 from eagle3_datagen.storage import RunStore
+from eagle3_datagen.testing.scripted_server import Script, scripted_latency
 from tasks.generation import GenerationSettings, generate_async
 
 PROBATION = 1  # ValidationConfig.early_abort_after: the smallest window (the first request runs alone)
@@ -60,7 +60,7 @@ class Servers:
         try:
             for script in self.scripts:
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "eagle3_datagen.scripted_server", "--port", "0",
+                    [sys.executable, "-m", "eagle3_datagen.testing.scripted_server", "--port", "0",
                      "--latency-s", repr(script.latency_s), "--latency-sigma", repr(script.latency_sigma),
                      "--tail-rate", repr(script.tail_rate), "--tail-factor", repr(script.tail_factor),
                      "--seed", str(script.seed)],

@@ -37,7 +37,9 @@ import torch
 from eagle3_datagen.artifacts import artifact_path
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.storage import RunStore
-from tasks.hidden_states import TargetModel, extract_shard, load_target_model, plan_batches, read_sequences
+from tasks.hidden_states.batching import plan_batches
+from tasks.hidden_states.parts import read_sequences
+from tasks.hidden_states.transformers_backend import TargetModel, extract_shard, load_target_model
 
 
 def sequence_lengths(total_tokens: int | None = None, samples: int | None = None, seed: int = 0) -> list[int]:

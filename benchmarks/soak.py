@@ -17,8 +17,8 @@ import time
 from eagle3_datagen.artifacts import artifact_path, rejected_path
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
-from eagle3_datagen.scripted_server import RANDOM_FAULTS, Script, ScriptedServer
 from eagle3_datagen.storage import RunStore
+from eagle3_datagen.testing.scripted_server import RANDOM_FAULTS, Script, ScriptedServer
 from tasks.generation import GenerationSettings, generate_async
 
 

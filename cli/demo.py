@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_datagen.config import PipelineConfig, parse_config
-from eagle3_datagen.vllm_server import REPO_ROOT
+from eagle3_datagen.testing.vllm_server import REPO_ROOT
 
 DEMO_MODEL_NAME = "tiny-reasoner"
 
@@ -22,7 +22,7 @@ def tiny_model_dir() -> Path:
     """The tiny model built by `make` (or EAGLE3_TINY_MODEL); built here if it is missing."""
     folder = Path(os.environ.get("EAGLE3_TINY_MODEL", REPO_ROOT / "build" / "tiny-model"))
     if not (folder / "config.json").exists():
-        from eagle3_datagen.tiny_model import build_tiny_model
+        from eagle3_datagen.testing.tiny_model import build_tiny_model
 
         build_tiny_model(folder)
     return folder
@@ -44,7 +44,7 @@ def demo_config(model_dir: Path, endpoint: str, output_uri: Path, run_name: str 
 def run_demo(output_uri: Path) -> dict[str, Any]:
     """Start the vLLM CPU server on the tiny model, run the whole pipeline on the demo questions, stop it."""
     from cli.runner import run_pipeline
-    from eagle3_datagen.vllm_server import LocalVLLMServer
+    from eagle3_datagen.testing.vllm_server import LocalVLLMServer
 
     model_dir = tiny_model_dir()
     started = time.monotonic()

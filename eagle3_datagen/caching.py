@@ -17,14 +17,22 @@ from typing import Any
 from prefect.cache_policies import INPUTS, CachePolicy
 from prefect.context import TaskRunContext
 
-_PLUMBING = ("artifacts", "config", "fingerprints", "profiles", "protocol", "storage", "think_tokens")
+_PLUMBING = ("artifacts", "config", "fingerprints", "hidden_state_format", "profiles", "protocol", "storage",
+             "think_tokens")
+
+
+def stage_files(module_name: str) -> list[Path]:
+    """The stage's source: its module, or every module of its package (`tasks.hidden_states.task` → the package)."""
+    file = Path(sys.modules[module_name].__file__ or "")
+    in_package = module_name.count(".") >= 2 or file.name == "__init__.py"
+    return sorted(file.parent.glob("*.py")) if in_package else [file]
 
 
 @cache
 def code_version(module_name: str) -> str:
-    """sha256 of a stage module's source plus the shared modules every stage's output depends on."""
+    """sha256 of a stage's source plus the shared modules every stage's output depends on."""
     package = Path(__file__).resolve().parent
-    files = [Path(sys.modules[module_name].__file__ or ""), *(package / f"{name}.py" for name in _PLUMBING)]
+    files = [*stage_files(module_name), *(package / f"{name}.py" for name in _PLUMBING)]
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode() + b"\0" + file.read_bytes())

@@ -32,8 +32,8 @@ from safetensors.torch import save as save_safetensors
 
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, sha256_hex, shard_name
 from eagle3_datagen.errors import UserError
+from eagle3_datagen.hidden_state_format import FORMAT, final_rms_norm, read_final_norm, read_hidden_state_shard
 from eagle3_datagen.storage import RunStore
-from tasks.hidden_states import FORMAT, final_rms_norm, read_final_norm, read_hidden_state_shard
 
 ExportFormat = Literal["specforge", "speculators"]
 EXPORT_INDEX = "export.json"

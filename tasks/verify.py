@@ -25,8 +25,8 @@ from eagle3_datagen.artifacts import (
     sha256_hex,
     shard_name,
 )
+from eagle3_datagen.hidden_state_format import HiddenStatesError, read_final_norm, read_hidden_state_shard
 from eagle3_datagen.storage import RunStore
-from tasks.hidden_states import HiddenStatesError, read_final_norm, read_hidden_state_shard
 
 
 @dataclass

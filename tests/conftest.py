@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_datagen.tiny_model import build_tiny_model
-from eagle3_datagen.vllm_server import LocalVLLMServer
+from eagle3_datagen.testing.tiny_model import build_tiny_model
+from eagle3_datagen.testing.vllm_server import LocalVLLMServer
 
 
 @pytest.fixture(scope="session")

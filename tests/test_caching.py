@@ -8,7 +8,7 @@ from pathlib import Path
 
 import tasks.sequences
 import tasks.validation  # noqa: F401
-from eagle3_datagen.caching import code_version
+from eagle3_datagen.caching import code_version, stage_files
 
 
 def test_a_change_in_a_stage_core_function_changes_the_code_version(tmp_path: Path) -> None:
@@ -27,3 +27,12 @@ def test_a_change_in_a_stage_core_function_changes_the_code_version(tmp_path: Pa
     finally:
         del sys.modules["stage_under_test"]
         code_version.cache_clear()
+
+
+def test_a_stage_package_is_hashed_whole() -> None:
+    """A fix in the batching module of the hidden-state package re-runs extraction, not only one in its task."""
+    import tasks.hidden_states.task  # noqa: F401
+
+    names = {file.name for file in stage_files("tasks.hidden_states.task")}
+    assert {"batching.py", "parts.py", "transformers_backend.py", "vllm_backend.py", "task.py"} <= names
+    assert [file.name for file in stage_files("tasks.sequences")] == ["sequences.py"]

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from cli.demo import DEMO_MODEL_NAME, demo_questions
-from eagle3_datagen.scripted_server import Script, ScriptedServer
+from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
+from eagle3_datagen.testing.vllm_server import free_port
 from eagle3_datagen.think_tokens import load_tokenizer
-from eagle3_datagen.vllm_server import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PREFECT = str(Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin" / "prefect")

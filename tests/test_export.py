@@ -16,7 +16,7 @@ from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.storage import RunStore
 from flows.pipeline import export
 from tasks.export import ExportError, export_run
-from tasks.hidden_states import TargetModel, extract_shard, load_target_model
+from tasks.hidden_states.transformers_backend import TargetModel, extract_shard, load_target_model
 
 torch.set_num_threads(1)
 

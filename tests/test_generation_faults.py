@@ -22,8 +22,8 @@ import pytest
 from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
-from eagle3_datagen.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
 from eagle3_datagen.storage import RunStore
+from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
 from tasks.generation import GenerationError, GenerationSettings, generate_async, partial_log_path, read_partial_log
 
 QWEN3 = BUILTIN_PROFILES["qwen3"]

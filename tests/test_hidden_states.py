@@ -14,22 +14,18 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
-from eagle3_datagen.storage import RunStore
-from tasks.hidden_states import (
+from eagle3_datagen.hidden_state_format import (
     HiddenStatesError,
-    TargetModel,
-    capture_batch,
-    default_aux_layers,
-    extract_hidden_states,
-    extract_shard,
     final_rms_norm,
-    load_target_model,
-    plan_batches,
     read_final_norm,
     read_hidden_state_shard,
-    read_sequences,
-    resolve_aux_layers,
 )
+from eagle3_datagen.storage import RunStore
+from tasks.hidden_states import extract_hidden_states
+from tasks.hidden_states.batching import plan_batches
+from tasks.hidden_states.parts import read_sequences
+from tasks.hidden_states.targets import default_aux_layers, resolve_aux_layers
+from tasks.hidden_states.transformers_backend import TargetModel, capture_batch, extract_shard, load_target_model
 
 torch.set_num_threads(1)
 
@@ -297,7 +293,7 @@ def test_shards_extracted_in_parallel_threads_do_not_mix_states(model_dir: str, 
     refs = [ShardRef("sequences", i, artifact_path("sequences", i), len(s), "x") for i, s in lengths.items()]
     import time
 
-    from tasks.hidden_states import load_target_model
+    from tasks.hidden_states.transformers_backend import load_target_model
 
     base = load_target_model(model_dir, settings.dtype, settings.device_map).base
     slow = base.layers[0].register_forward_hook(lambda *_: time.sleep(0.01))  # let the threads' passes overlap

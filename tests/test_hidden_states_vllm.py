@@ -24,22 +24,18 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from cli.demo import demo_questions
 from eagle3_datagen.artifacts import ShardRef, artifact_path
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
-from eagle3_datagen.storage import RunStore
-from eagle3_datagen.vllm_server import REPO_ROOT, LocalVLLMServer
-from tasks.hidden_states import (
+from eagle3_datagen.hidden_state_format import (
     HiddenStatesError,
-    ServedTarget,
-    TokenSequence,
-    extract_hidden_states,
-    extract_shard,
     final_rms_norm,
-    load_served_target,
-    load_target_model,
     read_final_norm,
     read_hidden_state_shard,
-    served_samples,
-    vllm_extraction_args,
 )
+from eagle3_datagen.storage import RunStore
+from eagle3_datagen.testing.vllm_server import VLLM_CPU_DIR, LocalVLLMServer
+from tasks.hidden_states import extract_hidden_states
+from tasks.hidden_states.parts import TokenSequence
+from tasks.hidden_states.transformers_backend import extract_shard, load_target_model
+from tasks.hidden_states.vllm_backend import ServedTarget, load_served_target, served_samples, vllm_extraction_args
 
 torch.set_num_threads(1)
 
@@ -209,7 +205,7 @@ def extraction_server(tiny_model: Path, shared_dir: Path) -> Iterator[LocalVLLMS
     args += ["--dtype", "bfloat16", "--max-num-batched-tokens", "2048"]
     server = LocalVLLMServer(tiny_model, "tiny-extract", reasoning_parser=None, extra_args=args)
     with pytest.MonkeyPatch.context() as env:  # the server imports the connector from this repo
-        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(VLLM_CPU_DIR), os.environ.get("PYTHONPATH")])))
         server.start()
     try:
         yield server

@@ -21,7 +21,7 @@ from cli.demo import DEMO_MODEL_NAME, demo_questions
 from cli.main import main
 from cli.runner import run_pipeline
 from eagle3_datagen.config import PipelineConfig, parse_config
-from eagle3_datagen.scripted_server import Script, ScriptedServer
+from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from eagle3_datagen.think_tokens import load_tokenizer
 from tasks.export import export_run
 from tasks.health import ServerCheckFailed

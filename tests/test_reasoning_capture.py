@@ -13,7 +13,7 @@ import pytest
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.protocol import OpenAIClient, build_chat_request
-from eagle3_datagen.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
+from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
 from tasks.health import ServerCheckFailed, check_servers_async
 
 QWEN3 = BUILTIN_PROFILES["qwen3"]

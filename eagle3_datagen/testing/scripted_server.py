@@ -6,7 +6,7 @@ own log of requests and of the number in flight, which tests assert against, and
 `GET /stats` so a benchmark in another process can read them. Latencies can follow a log-normal law with a heavy
 tail, drawn per request from the seed by `scripted_latency` so a benchmark can recompute them exactly.
 
-    python -m eagle3_datagen.scripted_server --port 8001 --latency-s 0.5 --latency-sigma 0.5 --tail-rate 0.01
+    python -m eagle3_datagen.testing.scripted_server --port 8001 --latency-s 0.5 --latency-sigma 0.5 --tail-rate 0.01
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from eagle3_datagen.vllm_server import free_port
+from eagle3_datagen.testing.vllm_server import free_port
 
 FAULTS = (
     "ok",

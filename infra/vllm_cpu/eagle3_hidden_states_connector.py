@@ -2,9 +2,9 @@
 
 Runs inside the vLLM server, which loads it through `--kv-transfer-config` with
 `"kv_connector": "CPUHiddenStatesConnector"` and
-`"kv_connector_module_path": "eagle3_datagen.vllm_cpu_hidden_states_connector"` (the repo root on the server's
-PYTHONPATH). vLLM's environment does not have this package installed, so this module imports only vLLM, torch,
-safetensors and the standard library.
+`"kv_connector_module_path": "eagle3_hidden_states_connector"` (this folder, `infra/vllm_cpu/`, on the server's
+PYTHONPATH). It runs in vLLM's environment, where this project is not installed, so it imports only vLLM,
+torch, safetensors and the standard library.
 
 Why: vLLM's `ExampleHiddenStatesConnector` copies a finished request's states out of the cache on a CUDA stream into
 pinned host memory and writes the file from a thread pool; a CPU-only host has neither streams nor pinned memory.

@@ -1,7 +1,7 @@
 """Start a real vLLM CPU server as a subprocess, for the demo and the tests.
 
 vLLM lives in its own virtualenv (its pins clash with Prefect's), so this module only starts that
-environment's python on `vllm_cpu_launch.py` and talks to the server over HTTP.
+environment's python on `infra/vllm_cpu/launch.py` and talks to the server over HTTP.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from types import TracebackType
 
 import httpx
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-LAUNCHER = Path(__file__).resolve().parent / "vllm_cpu_launch.py"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VLLM_CPU_DIR = REPO_ROOT / "infra" / "vllm_cpu"  # runs in vLLM's environment: the launcher, the CPU connector
+LAUNCHER = VLLM_CPU_DIR / "launch.py"
 
 
 def vllm_python() -> Path:

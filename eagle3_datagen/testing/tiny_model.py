@@ -5,7 +5,7 @@ Nothing is downloaded: the tokenizer is trained here with `tokenizers`, and a ~0
 answers in Qwen3's format, `<think>\\n{reasoning}\\n</think>\\n\\n{answer}<|im_end|>`, which vLLM's `qwen3`
 reasoning parser splits into `reasoning` and `content`. Deterministic: the same seed gives the same bytes.
 
-Usage: `python -m eagle3_datagen.tiny_model --out build/tiny-model`.
+Usage: `python -m eagle3_datagen.testing.tiny_model --out build/tiny-model`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as transformers_logging
 
-DEMO_QUESTIONS = Path(__file__).parent / "data" / "demo_questions.jsonl"
+DEMO_QUESTIONS = Path(__file__).parents[1] / "data" / "demo_questions.jsonl"
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK_START, THINK_END = "<think>", "</think>"
@@ -70,7 +70,7 @@ CHAT_TEMPLATE = r"""{%- set ns = namespace(last_query_index=messages|length - 1)
 
 MODEL_README = """# Tiny demo reasoning model (eagle3-datagen)
 
-Built offline by `python -m eagle3_datagen.tiny_model`: a {params:,}-parameter `Qwen3ForCausalLM`
+Built offline by `python -m eagle3_datagen.testing.tiny_model`: a {params:,}-parameter `Qwen3ForCausalLM`
 (hidden 64, 8 layers, 4 heads, 2 KV heads, head_dim 32, tied embeddings, float32) with a byte-level BPE
 tokenizer of {vocab} tokens trained on synthetic text, and a Qwen3-style chat template.
 

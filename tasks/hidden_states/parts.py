@@ -1,0 +1,151 @@
+"""What both backends share: the sequences a shard reads, and the parts and index it writes as samples come."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import posixpath
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import save as save_safetensors
+
+from eagle3_datagen.artifacts import artifact_path, sha256_hex, shard_name
+from eagle3_datagen.config import HiddenStatesConfig
+from eagle3_datagen.hidden_state_format import (
+    FINAL_NORM_FILE,
+    FINAL_STATE,
+    FORMAT,
+    PART_TENSORS,
+    HiddenStatesError,
+    Sample,
+)
+from eagle3_datagen.storage import RunStore
+from tasks.hidden_states.targets import TargetInfo, resolve_aux_layers
+
+
+@dataclass(frozen=True)
+class TokenSequence:
+    """One row of the sequences stage: what the target reads and what the trainer supervises."""
+
+    id: str
+    input_ids: torch.Tensor  # [t] int32
+    loss_mask: torch.Tensor  # [t] uint8
+
+def read_sequences(store: RunStore, rel: str, vocab_size: int) -> list[TokenSequence]:
+    """The sequences shard, checked for what would break a forward pass or the index (ids, lengths, vocab)."""
+    with store.open(rel, "rb") as handle:
+        table = pq.read_table(handle, columns=["id", "input_ids", "loss_mask"])
+    ids = table.column("id").to_pylist()
+    input_ids = _list_column(table.column("input_ids"), torch.int32)
+    loss_masks = _list_column(table.column("loss_mask"), torch.uint8)
+    sequences: list[TokenSequence] = []
+    seen: set[str] = set()
+    for sample_id, tokens, mask in zip(ids, input_ids, loss_masks, strict=True):
+        if sample_id in seen:
+            raise HiddenStatesError(f"{rel}: sample id {sample_id!r} appears twice")
+        if len(tokens) == 0 or len(tokens) != len(mask):
+            raise HiddenStatesError(f"{rel}: sample {sample_id!r} has {len(tokens)} tokens, {len(mask)} mask values")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+            raise HiddenStatesError(
+                f"{rel}: sample {sample_id!r} has token ids outside the target's vocabulary of {vocab_size}"
+                " (tokenized for another model?)"
+            )
+        seen.add(sample_id)
+        sequences.append(TokenSequence(sample_id, tokens, mask))
+    return sequences
+
+def _list_column(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tensor]:
+    """A list<int> column as one tensor per row, without a Python int per token."""
+    array = column.combine_chunks()
+    lengths = array.value_lengths().fill_null(0).to_numpy(zero_copy_only=False).tolist()
+    flat = torch.tensor(array.flatten().to_numpy(zero_copy_only=False), dtype=dtype)
+    return list(torch.split(flat, lengths))
+
+class _PartWriter:
+    """Buffers samples and writes a part as soon as it holds part_size_bytes, so a shard never sits in memory."""
+
+    def __init__(self, store: RunStore, folder: str, part_size_bytes: int, metadata: dict[str, str]) -> None:
+        self.store, self.folder, self.part_size_bytes, self.metadata = store, folder, part_size_bytes, metadata
+        self.parts: list[dict[str, Any]] = []
+        self.rows: dict[str, list[int]] = {}
+        self._pending: list[Sample] = []
+        self._pending_bytes = 0
+
+    def add(self, sample: Sample) -> None:
+        for name in ("aux_hidden_states", "final_hidden_states"):
+            if not torch.isfinite(getattr(sample, name)).all():
+                raise HiddenStatesError(f"sample {sample.id!r}: {name} has NaN or Inf values")
+        self._pending.append(sample)
+        self._pending_bytes += sample.nbytes
+        if self._pending_bytes >= self.part_size_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        samples, self._pending, self._pending_bytes = self._pending, [], 0
+        ids = [sample.id for sample in samples]
+        lengths = [len(sample.input_ids) for sample in samples]
+        tensors = {name: torch.cat([getattr(sample, name) for sample in samples]) for name in PART_TENSORS}
+        del samples
+        tensors["offsets"] = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
+        data = save_safetensors(tensors, metadata={**self.metadata, "sample_ids": json.dumps(ids)})
+        del tensors
+        name = f"part-{len(self.parts):05d}.safetensors"
+        self.store.write_bytes(posixpath.join(self.folder, name), data)
+        for row, sample_id in enumerate(ids):
+            self.rows[sample_id] = [len(self.parts), row]
+        part = {"file": name, "num_samples": len(ids), "num_tokens": sum(lengths)}
+        self.parts.append({**part, "bytes": len(data), "sha256": sha256_hex(data)})
+
+def write_shard(
+    store: RunStore,
+    shard_index: int,
+    target: TargetInfo,
+    settings: HiddenStatesConfig,
+    samples: Callable[[list[TokenSequence], list[int]], Generator[Sample, None, None]],
+) -> dict[str, Any]:
+    """What both backends share: read the sequences, pack `samples(sequences, aux_layers)` into parts as they come,
+    then write the index.
+    """
+    aux_layers = resolve_aux_layers(settings.aux_layers, target.num_layers)
+    sequences = read_sequences(store, artifact_path("sequences", shard_index), target.vocab_size)
+    folder = f"hidden_states/{shard_name(shard_index)}"
+    store.remove(folder)  # the old index goes first: a crash below must not leave it vouching for new parts
+    layer_ids = {"input_to_layer": aux_layers, "output_of_layer": [i - 1 for i in aux_layers]}
+    writer = _PartWriter(
+        store,
+        folder,
+        settings.part_size_bytes,
+        {"format": FORMAT, "aux_layers": json.dumps(layer_ids), "final_state": FINAL_STATE},
+    )
+    with contextlib.closing(samples(sequences, aux_layers)) as stream:  # closed now, also when add() raises
+        for sample in stream:
+            writer.add(sample)
+    writer.flush()
+    norm_file = save_safetensors({"weight": target.norm_weight.contiguous()}, metadata={"eps": repr(target.norm_eps)})
+    store.write_bytes(posixpath.join(folder, FINAL_NORM_FILE), norm_file)
+    index = {
+        "format": FORMAT,
+        "shard": shard_index,
+        "backend": settings.backend,
+        "num_samples": len(writer.rows),
+        "num_tokens": sum(part["num_tokens"] for part in writer.parts),
+        "hidden_size": target.hidden_size,
+        "num_layers": target.num_layers,
+        "dtype": settings.dtype,
+        "aux_layers": layer_ids,
+        "final_state": FINAL_STATE,
+        "final_norm": {"file": FINAL_NORM_FILE, "eps": target.norm_eps, "sha256": sha256_hex(norm_file)},
+        "model": {"path": target.path, "fingerprint": target.fingerprint},
+        "parts": writer.parts,
+        "samples": writer.rows,
+    }
+    store.write_json(artifact_path("hidden_states", shard_index), index)
+    return index

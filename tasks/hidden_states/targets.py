@@ -1,0 +1,46 @@
+"""What the extraction stage knows of its target, whichever backend runs it, and the aux layers it reads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig
+
+from eagle3_datagen.config import ConfigError
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What every backend knows of the target: the shapes to check states against, and what the index records."""
+
+    path: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    fingerprint: str
+    norm_weight: torch.Tensor  # [H], the final RMSNorm's scale
+    norm_eps: float
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high features as input-to-layer ids (= transformers' hidden_states index)."""
+    return [2, num_layers // 2, num_layers - 3]
+
+def resolve_aux_layers(configured: Sequence[int] | None, num_layers: int) -> list[int]:
+    """The configured ids, or the default, refused unless they are three increasing inputs of real layers.
+
+    Id 0 is the embedding output and id N would be after the final norm (the final state), so 1..N-1.
+    """
+    layers = list(configured) if configured is not None else default_aux_layers(num_layers)
+    if len(layers) == 3 and layers == sorted(set(layers)) and all(1 <= i < num_layers for i in layers):
+        return layers
+    what = f"{layers} is invalid" if configured is not None else f"the default {layers} does not fit"
+    raise ConfigError(
+        f"config key hidden_states.aux_layers: {what}; give 3 increasing input-to-layer ids in "
+        f"1..{num_layers - 1} (the valid range for this {num_layers}-layer target)"
+    )
+
+def target_num_layers(path: str) -> int:
+    """Decoder layer count from the config alone, to validate aux layers before loading any weights."""
+    return AutoConfig.from_pretrained(path).get_text_config().num_hidden_layers

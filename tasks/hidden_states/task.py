@@ -1,0 +1,45 @@
+"""The Prefect task of stage 6: one shard, either backend."""
+
+from __future__ import annotations
+
+from prefect import task
+
+from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
+from eagle3_datagen.caching import STAGE_CACHE
+from eagle3_datagen.config import ConfigError, HiddenStatesConfig
+from eagle3_datagen.storage import RunStore
+from tasks.hidden_states.targets import resolve_aux_layers, target_num_layers
+from tasks.hidden_states.transformers_backend import extract_shard, load_target_model
+from tasks.hidden_states.vllm_backend import extract_shard_vllm, load_served_target
+
+
+@task(name="extract-hidden-states", retries=1, persist_result=True, cache_policy=STAGE_CACHE)
+def extract_hidden_states(
+    sequences: ShardRef,
+    settings: HiddenStatesConfig,
+    target_model: str,
+    target_fingerprint: str,
+    output_uri: str,
+    run_name: str,
+) -> ShardRef:
+    """Prefect stage 6 for one shard; a transformers target stays loaded across the shards a process runs.
+
+    `target_fingerprint` is part of the cache key: new weights at the same path extract again.
+    """
+    store = RunStore(output_uri, run_name)
+    if settings.backend == "vllm":
+        index = extract_shard_vllm(store, sequences.index, load_served_target(target_model), settings)
+    elif settings.backend == "transformers":
+        resolve_aux_layers(settings.aux_layers, target_num_layers(target_model))  # before loading any weights
+        target = load_target_model(target_model, settings.dtype, settings.device_map)
+        index = extract_shard(store, sequences.index, target, settings)
+    else:
+        raise ConfigError(f"config key hidden_states.backend: {settings.backend!r} extracts nothing")
+    rel = artifact_path("hidden_states", sequences.index)
+    return ShardRef(
+        stage="hidden_states",
+        index=sequences.index,
+        path=rel,
+        num_records=index["num_samples"],
+        sha256=sha256_hex(store.read_bytes(rel)),
+    )

@@ -1,0 +1,132 @@
+"""The transformers backend: the target loaded in this process, its layers hooked during one forward pass."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from eagle3_datagen.config import HiddenStatesConfig
+from eagle3_datagen.fingerprints import fingerprint
+from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample, final_rms_norm
+from eagle3_datagen.storage import RunStore
+from tasks.hidden_states.batching import plan_batches
+from tasks.hidden_states.parts import TokenSequence, write_shard
+from tasks.hidden_states.targets import TargetInfo
+
+
+@dataclass(frozen=True)
+class TargetModel(TargetInfo):
+    """The target's base model (decoder layers + final norm, no lm_head: logits are never needed here)."""
+
+    base: torch.nn.Module
+    dtype: torch.dtype
+
+@lru_cache(maxsize=1)
+def load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
+    """Load once per process (a run has many shards); one entry, so a new target replaces the old in memory."""
+    # "cpu" is where from_pretrained loads anyway; any device_map at all would make accelerate a requirement.
+    placement = {} if device_map == "cpu" else {"device_map": device_map}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placement).eval()
+    base = model.get_decoder()
+    if not (hasattr(base, "layers") and hasattr(base, "norm")):
+        raise HiddenStatesError(f"{path}: {type(base).__name__} has no .layers/.norm to hook; unsupported model")
+    config = model.config.get_text_config()
+    eps = getattr(base.norm, "variance_epsilon", getattr(base.norm, "eps", None))
+    if eps is None:
+        raise HiddenStatesError(f"{path}: {type(base.norm).__name__} has no eps: not an RMSNorm final_rms_norm redoes")
+    return TargetModel(
+        path=path,
+        base=base,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        vocab_size=base.get_input_embeddings().num_embeddings,
+        dtype=DTYPES[dtype],
+        fingerprint=fingerprint(path),
+        norm_weight=base.norm.weight.detach().to("cpu", copy=True),
+        norm_eps=float(eps),
+    )
+
+_FORWARD_LOCK = threading.Lock()
+
+def capture_batch(
+    target: TargetModel, aux_layers: Sequence[int], sequences: Sequence[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One forward pass over a right-padded batch; per sequence (aux [t, 3H], final [t, H]) on CPU, unpadded.
+
+    Hooks keep only the needed states: output_hidden_states would hold all N+1 of them for the whole batch.
+    """
+    base = target.base
+    longest = max(len(seq) for seq in sequences)
+    input_ids = torch.zeros((len(sequences), longest), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, seq in enumerate(sequences):
+        input_ids[row, : len(seq)] = seq
+        attention_mask[row, : len(seq)] = 1
+
+    captured: dict[int, torch.Tensor] = {}
+
+    def keep_input(layer_id: int) -> Callable[..., None]:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            captured[layer_id] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    normed: list[torch.Tensor] = []
+    device = base.get_input_embeddings().weight.device
+    with _FORWARD_LOCK:  # shards run in threads over one cached model: one set of hooks at a time
+        handles = [base.layers[i].register_forward_pre_hook(keep_input(i), with_kwargs=True) for i in aux_layers]
+        handles.append(base.norm.register_forward_pre_hook(keep_input(target.num_layers), with_kwargs=True))
+        handles.append(base.norm.register_forward_hook(lambda module, args, output: normed.append(output)))
+        try:
+            with torch.inference_mode():
+                base(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    expected = (len(sequences), longest, target.hidden_size)
+    for layer_id, states in captured.items():
+        if tuple(states.shape) != expected or states.dtype != target.dtype:
+            raise HiddenStatesError(
+                f"layer {layer_id} state is {tuple(states.shape)} {states.dtype}, expected {expected} "
+                f"{target.dtype} from the model config"
+            )
+    final = captured[target.num_layers]
+    _check_final_norm(final, normed[0], base.norm.weight, target.norm_eps)
+    return [
+        (
+            torch.cat([captured[i][row, : len(seq)].cpu() for i in aux_layers], dim=-1),
+            final[row, : len(seq)].to("cpu", copy=True),
+        )
+        for row, seq in enumerate(sequences)
+    ]
+
+def _check_final_norm(before: torch.Tensor, after: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """The stored before-norm state must give the model's own after-norm state, or a SpecForge export would be off."""
+    try:
+        torch.testing.assert_close(final_rms_norm(before, weight, eps), after, equal_nan=True)  # NaN: named later
+    except AssertionError:
+        raise HiddenStatesError(
+            "the target's final norm is not the plain RMSNorm (weight * x / rms(x)) that final_rms_norm redoes for "
+            "the after-norm export; this model needs its own norm there"
+        ) from None
+
+def extract_shard(
+    store: RunStore, shard_index: int, target: TargetModel, settings: HiddenStatesConfig
+) -> dict[str, Any]:
+    """Stage 6 for one shard with the transformers backend, without Prefect; returns the index."""
+
+    def samples(sequences: list[TokenSequence], aux_layers: list[int]) -> Generator[Sample, None, None]:
+        for batch in plan_batches([len(seq.input_ids) for seq in sequences], settings.max_tokens_per_batch):
+            states = capture_batch(target, aux_layers, [sequences[i].input_ids for i in batch])
+            for i, (aux, final) in zip(batch, states, strict=True):
+                seq = sequences[i]
+                yield Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final)
+
+    return write_shard(store, shard_index, target, settings, samples)
