@@ -8,7 +8,7 @@ PIP_QUIET := --quiet --disable-pip-version-check
 export EAGLE3_VLLM_PYTHON := $(abspath $(VLLM_VENV))/bin/python
 export EAGLE3_TINY_MODEL := $(abspath $(TINY_MODEL))
 
-.PHONY: setup test-services demo test lint clean
+.PHONY: setup test-services demo test test-fast lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -47,6 +47,10 @@ lint: $(VENV)/.installed
 
 test: setup test-services lint
 	$(VENV)/bin/python -m pytest -q -ra
+
+# The quick loop while changing a pure function: tests/unit only (no servers), in well under a minute.
+test-fast: $(VENV)/.installed $(TINY_MODEL)/.built
+	$(VENV)/bin/python -m pytest -q tests/unit
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build runs

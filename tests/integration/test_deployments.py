@@ -21,7 +21,7 @@ from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from eagle3_datagen.testing.vllm_server import free_port
 from eagle3_datagen.think_tokens import load_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin" / "prefect")
 
 

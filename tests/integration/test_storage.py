@@ -11,7 +11,7 @@ import pytest
 
 from eagle3_datagen.storage import RunStore, StoragePathError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 CEPH: dict[str, Path] = {}

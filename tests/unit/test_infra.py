@@ -10,7 +10,7 @@ import yaml
 
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 
-INFRA = Path(__file__).resolve().parents[1] / "infra"
+INFRA = Path(__file__).resolve().parents[2] / "infra"
 
 
 def _documents(path: Path) -> list[dict]:

@@ -13,7 +13,7 @@ from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import ThinkTokenError, discover_think_tokens, load_tokenizer
 from tasks.sequences import build_sequences, to_parquet
 
-KIMI_DIR = Path(__file__).resolve().parents[2] / "shared" / "tokenizers" / "kimi-k2.5"
+KIMI_DIR = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "kimi-k2.5"
 KIMI = BUILTIN_PROFILES["kimi-k2.5"]
 THINK, END_THINK, IM_END, IM_USER, IM_ASSISTANT, IM_MIDDLE = 163606, 163607, 163586, 163587, 163588, 163601
 

@@ -337,7 +337,7 @@ def start_cli(config_path: str, tmp_path: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value() or ""}
     return subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", config_path], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=Path(__file__).resolve().parent.parent)
+                            cwd=Path(__file__).resolve().parents[2])
 
 
 def test_a_server_killed_mid_run_ends_the_process_failed_within_give_up_after_s(
