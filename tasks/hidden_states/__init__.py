@@ -13,17 +13,9 @@ and eps are kept beside it so the after-norm state SpecForge trains on is exact 
 is impossible: the norm discards each token's scale.
 
 Modules: `targets` (what a backend knows of the target, the aux layers), `batching`, `parts` (sequences in,
-parts and index out), `transformers_backend`, `vllm_backend`, `task` (the Prefect task). The format itself,
-which export and verify read too, is `eagle3_datagen.hidden_state_format`.
-
-Output per shard, under `hidden_states/shard-NNNNN/`:
-  part-NNNNN.safetensors  input_ids [T] int32, loss_mask [T] uint8, aux_hidden_states [T, 3H] (the three aux
-                          layers concatenated in order), final_hidden_states [T, H] (before the final norm),
-                          offsets [n+1] int64 (sample k is rows offsets[k]:offsets[k+1]); metadata names ids and
-                          layers.
-  final_norm.safetensors  the final RMSNorm's weight [H]; its eps in the metadata and the index.
-  index.json              parts with checksums, sample id -> [part, row], layer ids in both conventions, model
-                          fingerprint. Written last: its presence means the shard is complete.
+parts and index out), `transformers_backend`, `vllm_backend`, `task` (the Prefect task). The output format
+(parts, final norm and index per shard), which export and verify read too, is described and read in
+`eagle3_datagen.hidden_state_format`.
 """
 
 from tasks.hidden_states.task import extract_hidden_states
