@@ -7,8 +7,8 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from hidden_state_targets import AUX, HIDDEN, LAYERS, random_qwen3, random_rows, write_sequences
 from safetensors.torch import load_file
-from test_hidden_states import AUX, HIDDEN, LAYERS, random_qwen3, random_rows, write_sequences
 
 from cli.main import main
 from eagle3_datagen.artifacts import MANIFEST

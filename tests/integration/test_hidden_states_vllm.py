@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hidden_state_targets import AUX, HIDDEN, LAYERS, random_qwen3
 from safetensors.torch import save_file
-from test_hidden_states import AUX, HIDDEN, LAYERS, random_qwen3
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 

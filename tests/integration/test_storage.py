@@ -152,9 +152,9 @@ def test_a_restarted_s3_gateway_costs_a_retry_not_an_artifact(s3_endpoint: str, 
 def test_hidden_states_export_from_s3_to_s3_loads_back(s3_endpoint: str, tmp_path: Path) -> None:
     """The export reads parts and the final norm from S3 and writes trainer files and a datasets folder there."""
     import datasets
+    from hidden_state_targets import HIDDEN, random_qwen3
     from safetensors.torch import load as load_safetensors
     from test_export import make_run
-    from test_hidden_states import HIDDEN, random_qwen3
 
     from tasks.export import export_run
     from tasks.hidden_states.transformers_backend import load_target_model

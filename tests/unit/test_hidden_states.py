@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
+from hidden_state_targets import AUX, HIDDEN, LAYERS, random_qwen3, random_rows, write_sequences
 from safetensors import safe_open
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
@@ -29,18 +27,6 @@ from tasks.hidden_states.transformers_backend import TargetModel, capture_batch,
 
 torch.set_num_threads(1)
 
-HIDDEN = 64
-LAYERS = 8
-AUX = [2, 4, 5]
-
-
-def random_qwen3(**config: object) -> Qwen3ForCausalLM:
-    """The tiny random 8-layer Qwen3 these tests extract from (seeded: the same weights every time)."""
-    torch.manual_seed(0)
-    return Qwen3ForCausalLM(Qwen3Config(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
-                                        num_key_value_heads=2, head_dim=16, intermediate_size=192, vocab_size=512,
-                                        **config))
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -58,28 +44,6 @@ def fp32(model_dir: str) -> TargetModel:
 @pytest.fixture
 def store(tmp_path: Path) -> RunStore:
     return RunStore(str(tmp_path), "run")
-
-
-def random_rows(lengths: list[int], seed: int = 0) -> list[tuple[str, list[int], list[int]]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        (f"s{i}", torch.randint(0, 512, (n,), generator=gen).tolist(), [int(k >= n // 2) for k in range(n)])
-        for i, n in enumerate(lengths)
-    ]
-
-
-def write_sequences(store: RunStore, shard: int, rows: list[tuple[str, list[int], list[int]]]) -> None:
-    """The sequences stage's schema: id string, input_ids list<int32>, loss_mask list<int8> (+ extras)."""
-    table = pa.table(
-        {
-            "id": pa.array([r[0] for r in rows], pa.string()),
-            "input_ids": pa.array([r[1] for r in rows], pa.list_(pa.int32())),
-            "loss_mask": pa.array([r[2] for r in rows], pa.list_(pa.int8())),
-            "num_tokens": pa.array([len(r[1]) for r in rows], pa.int32()),
-        }
-    )
-    with store.open(artifact_path("sequences", shard), "wb") as handle:
-        pq.write_table(table, handle)
 
 
 def test_default_aux_layers_follow_eagle3_for_8_layers() -> None:

@@ -1,0 +1,45 @@
+"""Tiny random hidden-state targets and sequence shards, shared by the unit, integration and e2e tests."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from eagle3_datagen.artifacts import artifact_path
+from eagle3_datagen.storage import RunStore
+
+HIDDEN = 64
+LAYERS = 8
+AUX = [2, 4, 5]
+
+
+def random_qwen3(**config: object) -> Qwen3ForCausalLM:
+    """The tiny random 8-layer Qwen3 these tests extract from (seeded: the same weights every time)."""
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(Qwen3Config(hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=16, intermediate_size=192, vocab_size=512,
+                                        **config))
+
+
+def random_rows(lengths: list[int], seed: int = 0) -> list[tuple[str, list[int], list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (f"s{i}", torch.randint(0, 512, (n,), generator=gen).tolist(), [int(k >= n // 2) for k in range(n)])
+        for i, n in enumerate(lengths)
+    ]
+
+
+def write_sequences(store: RunStore, shard: int, rows: list[tuple[str, list[int], list[int]]]) -> None:
+    """The sequences stage's schema: id string, input_ids list<int32>, loss_mask list<int8> (+ extras)."""
+    table = pa.table(
+        {
+            "id": pa.array([r[0] for r in rows], pa.string()),
+            "input_ids": pa.array([r[1] for r in rows], pa.list_(pa.int32())),
+            "loss_mask": pa.array([r[2] for r in rows], pa.list_(pa.int8())),
+            "num_tokens": pa.array([len(r[1]) for r in rows], pa.int32()),
+        }
+    )
+    with store.open(artifact_path("sequences", shard), "wb") as handle:
+        pq.write_table(table, handle)
