@@ -19,6 +19,7 @@ and 8 layers, saved to a temporary folder. Usage:
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import random
@@ -34,7 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from eagle3_datagen.artifacts import artifact_path
+from eagle3_datagen.artifacts import ShardRef, artifact_path
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.batching import plan_batches
@@ -51,8 +52,8 @@ def sequence_lengths(total_tokens: int | None = None, samples: int | None = None
     return lengths
 
 
-def write_sequences(store: RunStore, lengths: list[int], vocab_size: int, seed: int = 0) -> None:
-    """A sequences shard with the stage's schema."""
+def write_sequences(store: RunStore, lengths: list[int], vocab_size: int, seed: int = 0) -> ShardRef:
+    """A sequences shard with the stage's schema, and the reference the extraction stage reads it by."""
     gen = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, vocab_size, (n,), generator=gen, dtype=torch.int32).tolist() for n in lengths]
     table = pa.table({
@@ -60,13 +61,14 @@ def write_sequences(store: RunStore, lengths: list[int], vocab_size: int, seed: 
         "input_ids": pa.array(ids, pa.list_(pa.int32())),
         "loss_mask": pa.array([[0] * (n // 3) + [1] * (n - n // 3) for n in lengths], pa.list_(pa.int8())),
     })
-    with store.open(artifact_path("sequences", 0), "wb") as handle:
-        pq.write_table(table, handle)
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    return store.write_shard_bytes("sequences", 0, buffer.getvalue(), len(lengths))
 
 
-def bare_forward(target: TargetModel, store: RunStore, settings: HiddenStatesConfig) -> None:
+def bare_forward(target: TargetModel, store: RunStore, shard: ShardRef, settings: HiddenStatesConfig) -> None:
     """The stage's batches through the model and nothing else: the floor the stage is measured against."""
-    sequences = read_sequences(store, artifact_path("sequences", 0), target.vocab_size)
+    sequences = read_sequences(store, shard, target.vocab_size)
     for batch in plan_batches([len(s.input_ids) for s in sequences], settings.max_tokens_per_batch):
         longest = max(len(sequences[i].input_ids) for i in batch)
         input_ids = torch.zeros((len(batch), longest), dtype=torch.long)
@@ -102,12 +104,12 @@ def throughput(model: str, tokens: int, repeats: int, settings: HiddenStatesConf
     with tempfile.TemporaryDirectory(prefix="eagle3-bench-") as tmp:
         store = RunStore(tmp, "run")
         lengths = sequence_lengths(tokens)
-        write_sequences(store, lengths, target.vocab_size)
-        bare_forward(target, store, settings)  # warm-up: allocator, kernels, page cache
+        shard = write_sequences(store, lengths, target.vocab_size)
+        bare_forward(target, store, shard, settings)  # warm-up: allocator, kernels, page cache
         stage_s, bare_s = [], []
         for _ in range(repeats):  # interleaved, so a slow phase of the machine hits both
-            bare_s.append(timed(lambda: bare_forward(target, store, settings)))
-            stage_s.append(timed(lambda: extract_shard(store, 0, target, settings)))
+            bare_s.append(timed(lambda: bare_forward(target, store, shard, settings)))
+            stage_s.append(timed(lambda: extract_shard(store, shard, target, settings)))
         index = store.read_json(artifact_path("hidden_states", 0))
     total = sum(lengths)
     written = sum(part["bytes"] for part in index["parts"])
@@ -137,14 +139,14 @@ def child_peak_rss(model: str, samples: int, settings: HiddenStatesConfig, stage
     target = load_target_model(model, settings.dtype, settings.device_map)
     with tempfile.TemporaryDirectory(prefix="eagle3-bench-") as tmp:
         store = RunStore(tmp, "run")
-        write_sequences(store, sequence_lengths(samples=samples, seed=1), target.vocab_size)
+        shard = write_sequences(store, sequence_lengths(samples=samples, seed=1), target.vocab_size)
         loaded = memory_mib()["VmRSS"]
         Path("/proc/self/clear_refs").write_text("5")  # restart the high-water mark from here
         if not stage:
-            bare_forward(target, store, settings)
+            bare_forward(target, store, shard, settings)
             print(json.dumps({"peak_mib": memory_mib()["VmHWM"]}))
             return
-        index = extract_shard(store, 0, target, settings)
+        index = extract_shard(store, shard, target, settings)
         peak = memory_mib()["VmHWM"]
     print(json.dumps({"loaded_mib": loaded, "peak_mib": peak, "tokens": index["num_tokens"],
                       "bytes": sum(part["bytes"] for part in index["parts"]), "parts": len(index["parts"])}))

@@ -115,10 +115,14 @@ class RunStore:
 
     def write_shard(self, stage: str, index: int, records: list[dict[str, Any]]) -> ShardRef:
         """Write one JSONL shard of a stage atomically; returns the reference the next stage reads it by."""
-        path = artifact_path(stage, index)
         data = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode()
+        return self.write_shard_bytes(stage, index, data, len(records))
+
+    def write_shard_bytes(self, stage: str, index: int, data: bytes, num_records: int) -> ShardRef:
+        """Write one shard of a stage in any format (a Parquet table, say) atomically; returns its reference."""
+        path = artifact_path(stage, index)
         self.write_bytes(path, data)
-        return ShardRef(stage, index, path, len(records), sha256_hex(data))
+        return ShardRef(stage, index, path, num_records, sha256_hex(data))
 
     def read_shard(self, ref: ShardRef) -> bytes:
         """The one way a stage reads the previous stage's output: refused if it changed since it was written."""

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 from prefect import task
 from transformers import PreTrainedTokenizerBase
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, sha256_hex
+from eagle3_datagen.artifacts import ShardRef, rejected_path
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import SequencesConfig
 from eagle3_datagen.profiles import ModelProfile
@@ -148,7 +148,4 @@ def build_sequence_shard(
     sequences, rejected = build_sequences(store.read_shard_records(generations), tok, profile, spec, settings)
     if rejected:
         store.write_jsonl(rejected_path("sequences", generations.index), rejected)
-    data = to_parquet(sequences)
-    path = artifact_path("sequences", generations.index)
-    store.write_bytes(path, data)
-    return ShardRef("sequences", generations.index, path, len(sequences), sha256_hex(data))
+    return store.write_shard_bytes("sequences", generations.index, to_parquet(sequences), len(sequences))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import io
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from eagle3_datagen.artifacts import artifact_path
+from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.storage import RunStore
 
 HIDDEN = 64
@@ -31,8 +33,9 @@ def random_rows(lengths: list[int], seed: int = 0) -> list[tuple[str, list[int],
     ]
 
 
-def write_sequences(store: RunStore, shard: int, rows: list[tuple[str, list[int], list[int]]]) -> None:
-    """The sequences stage's schema: id string, input_ids list<int32>, loss_mask list<int8> (+ extras)."""
+def write_sequences(store: RunStore, shard: int, rows: list[tuple[str, list[int], list[int]]]) -> ShardRef:
+    """A shard with the sequences stage's schema (id, input_ids list<int32>, loss_mask list<int8>, + extras), and
+    the ShardRef the extraction stage reads it by."""
     table = pa.table(
         {
             "id": pa.array([r[0] for r in rows], pa.string()),
@@ -41,5 +44,6 @@ def write_sequences(store: RunStore, shard: int, rows: list[tuple[str, list[int]
             "num_tokens": pa.array([len(r[1]) for r in rows], pa.int32()),
         }
     )
-    with store.open(artifact_path("sequences", shard), "wb") as handle:
-        pq.write_table(table, handle)
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    return store.write_shard_bytes("sequences", shard, buffer.getvalue(), len(rows))

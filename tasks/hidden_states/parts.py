@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import itertools
 import json
 import posixpath
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 import torch
 from safetensors.torch import save as save_safetensors
 
-from eagle3_datagen.artifacts import artifact_path, sha256_hex, shard_name
+from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, shard_name
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.hidden_state_format import (
     FINAL_NORM_FILE,
@@ -37,10 +38,11 @@ class TokenSequence:
     input_ids: torch.Tensor  # [t] int32
     loss_mask: torch.Tensor  # [t] uint8
 
-def read_sequences(store: RunStore, rel: str, vocab_size: int) -> list[TokenSequence]:
-    """The sequences shard, checked for what would break a forward pass or the index (ids, lengths, vocab)."""
-    with store.open(rel, "rb") as handle:
-        table = pq.read_table(handle, columns=["id", "input_ids", "loss_mask"])
+def read_sequences(store: RunStore, ref: ShardRef, vocab_size: int) -> list[TokenSequence]:
+    """The sequences shard (checksum checked), and what would break a forward pass or the index (ids, lengths,
+    vocab)."""
+    rel = ref.path
+    table = pq.read_table(io.BytesIO(store.read_shard(ref)), columns=["id", "input_ids", "loss_mask"])
     ids = table.column("id").to_pylist()
     input_ids = _list_column(table.column("input_ids"), torch.int32)
     loss_masks = _list_column(table.column("loss_mask"), torch.uint8)
@@ -106,7 +108,7 @@ class _PartWriter:
 
 def write_shard(
     store: RunStore,
-    shard_index: int,
+    sequences_ref: ShardRef,
     target: TargetInfo,
     settings: HiddenStatesConfig,
     samples: Callable[[list[TokenSequence], list[int]], Generator[Sample, None, None]],
@@ -115,7 +117,8 @@ def write_shard(
     then write the index.
     """
     aux_layers = resolve_aux_layers(settings.aux_layers, target.num_layers)
-    sequences = read_sequences(store, artifact_path("sequences", shard_index), target.vocab_size)
+    shard_index = sequences_ref.index
+    sequences = read_sequences(store, sequences_ref, target.vocab_size)
     folder = f"hidden_states/{shard_name(shard_index)}"
     store.remove(folder)  # the old index goes first: a crash below must not leave it vouching for new parts
     layer_ids = {"input_to_layer": aux_layers, "output_of_layer": [i - 1 for i in aux_layers]}

@@ -28,11 +28,11 @@ def extract_hidden_states(
     """
     store = RunStore(output_uri, run_name)
     if settings.backend == "vllm":
-        index = extract_shard_vllm(store, sequences.index, load_served_target(target_model), settings)
+        index = extract_shard_vllm(store, sequences, load_served_target(target_model), settings)
     elif settings.backend == "transformers":
         resolve_aux_layers(settings.aux_layers, target_num_layers(target_model))  # before loading any weights
         target = load_target_model(target_model, settings.dtype, settings.device_map)
-        index = extract_shard(store, sequences.index, target, settings)
+        index = extract_shard(store, sequences, target, settings)
     else:
         raise ConfigError(f"config key hidden_states.backend: {settings.backend!r} extracts nothing")
     rel = artifact_path("hidden_states", sequences.index)

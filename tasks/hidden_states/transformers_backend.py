@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample, final_rms_norm
@@ -118,7 +119,7 @@ def _check_final_norm(before: torch.Tensor, after: torch.Tensor, weight: torch.T
         ) from None
 
 def extract_shard(
-    store: RunStore, shard_index: int, target: TargetModel, settings: HiddenStatesConfig
+    store: RunStore, sequences_ref: ShardRef, target: TargetModel, settings: HiddenStatesConfig
 ) -> dict[str, Any]:
     """Stage 6 for one shard with the transformers backend, without Prefect; returns the index."""
 
@@ -129,4 +130,4 @@ def extract_shard(
                 seq = sequences[i]
                 yield Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final)
 
-    return write_shard(store, shard_index, target, settings, samples)
+    return write_shard(store, sequences_ref, target, settings, samples)

@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample
@@ -114,7 +115,7 @@ def _final_norm_weight(folder: Path) -> torch.Tensor:
         return handle.get_tensor(keys[0])
 
 def extract_shard_vllm(
-    store: RunStore, shard_index: int, target: ServedTarget, settings: HiddenStatesConfig
+    store: RunStore, sequences_ref: ShardRef, target: ServedTarget, settings: HiddenStatesConfig
 ) -> dict[str, Any]:
     """Stage 6 for one shard with the vllm backend (settings.endpoint), without Prefect; returns the index."""
     limits = httpx.Limits(max_connections=settings.max_in_flight)
@@ -123,7 +124,7 @@ def extract_shard_vllm(
         def samples(sequences: list[TokenSequence], aux_layers: list[int]) -> Generator[Sample, None, None]:
             return served_samples(client, sequences, target, aux_layers, settings)
 
-        return write_shard(store, shard_index, target, settings, samples)
+        return write_shard(store, sequences_ref, target, settings, samples)
 
 def served_samples(
     client: httpx.Client,

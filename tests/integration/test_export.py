@@ -50,8 +50,8 @@ def make_run(output_uri: str, target: TargetModel, shards: dict[int, list[int]] 
         },
     )
     for shard, lengths in shards.items():
-        write_sequences(store, shard, shard_rows(shard, lengths))
-        extract_shard(store, shard, target, HiddenStatesConfig(dtype="bfloat16", part_size_bytes=20_000))
+        sequences = write_sequences(store, shard, shard_rows(shard, lengths))
+        extract_shard(store, sequences, target, HiddenStatesConfig(dtype="bfloat16", part_size_bytes=20_000))
     return store
 
 
@@ -149,8 +149,8 @@ def test_a_second_export_redoes_only_changed_shards(tmp_path: Path, bf16: Target
     times = {p.name: p.stat().st_mtime_ns for p in out.rglob("*.ckpt")}
 
     store = RunStore(str(tmp_path), "run")
-    write_sequences(store, 1, shard_rows(1, [25, 3, 11]))  # shard 1 grew by one sample: shard 2's numbering moves
-    extract_shard(store, 1, bf16, HiddenStatesConfig(dtype="bfloat16"))
+    grown = write_sequences(store, 1, shard_rows(1, [25, 3, 11]))  # shard 1 grew by one sample: shard 2's numbers move
+    extract_shard(store, grown, bf16, HiddenStatesConfig(dtype="bfloat16"))
     summary = export_run(run, "specforge")
 
     assert summary["num_samples"] == 10

@@ -12,17 +12,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
-from hidden_state_targets import AUX, HIDDEN, LAYERS, random_qwen3
+from hidden_state_targets import AUX, HIDDEN, LAYERS, random_qwen3, write_sequences
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from cli.demo import demo_questions
-from eagle3_datagen.artifacts import ShardRef, artifact_path
+from eagle3_datagen.artifacts import artifact_path
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
 from eagle3_datagen.hidden_state_format import (
     HiddenStatesError,
@@ -230,17 +228,9 @@ def conversations(model_dir: Path) -> list[list[int]]:
     return [tokenizer(text)["input_ids"] for text in texts] + [tokenizer(questions[9])["input_ids"][:1]]
 
 
-def write_sequences(store: RunStore, ids: list[list[int]]) -> None:
-    """Shard 0 of the sequences stage, the loss on the second half of each sequence."""
-    table = pa.table(
-        {
-            "id": [f"s{k}" for k in range(len(ids))],
-            "input_ids": pa.array(ids, pa.list_(pa.int32())),
-            "loss_mask": pa.array([[int(i >= len(t) // 2) for i in range(len(t))] for t in ids], pa.list_(pa.int8())),
-        }
-    )
-    with store.open(artifact_path("sequences", 0), "wb") as handle:
-        pq.write_table(table, handle)
+def sequence_rows(ids: list[list[int]]) -> list[tuple[str, list[int], list[int]]]:
+    """Rows of a sequences shard, the loss on the second half of each sequence."""
+    return [(f"s{k}", t, [int(i >= len(t) // 2) for i in range(len(t))]) for k, t in enumerate(ids)]
 
 
 def per_token_cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -254,15 +244,13 @@ def test_vllm_backend_gives_the_transformers_tensors_in_bf16(
     ids = conversations(tiny_model)
     assert max(map(len, ids)) > 100 and min(map(len, ids)) == 1
     hf_store, vllm_store = RunStore(str(tmp_path), "hf"), RunStore(str(tmp_path), "vllm")
-    for store in (hf_store, vllm_store):
-        write_sequences(store, ids)
+    hf_shard, sequences = (write_sequences(store, 0, sequence_rows(ids)) for store in (hf_store, vllm_store))
     hf_index = extract_shard(
-        hf_store, 0, load_target_model(str(tiny_model), "bfloat16", "cpu"), HiddenStatesConfig(dtype="bfloat16")
+        hf_store, hf_shard, load_target_model(str(tiny_model), "bfloat16", "cpu"), HiddenStatesConfig(dtype="bfloat16")
     )
     settings = HiddenStatesConfig(
         backend="vllm", endpoint=extraction_server.url, dtype="bfloat16", max_in_flight=4, part_size_bytes=20_000
     )
-    sequences = ShardRef("sequences", 0, artifact_path("sequences", 0), len(ids), "unused-here")
     ref = extract_hidden_states.fn(sequences, settings, str(tiny_model), "fp", str(tmp_path), "vllm")
 
     index = vllm_store.read_json(ref.path)

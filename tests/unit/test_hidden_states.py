@@ -124,11 +124,11 @@ class RecordingStore(RunStore):
 def test_shard_splits_into_parts_and_reads_back_equal(fp32: TargetModel, tmp_path: Path) -> None:
     store = RecordingStore(str(tmp_path), "run")
     rows = random_rows([3, 40, 17, 25, 8, 33, 1, 40, 12, 20, 29, 6], seed=3)
-    write_sequences(store, 3, rows)
+    shard = write_sequences(store, 3, rows)
     store.write_bytes("hidden_states/shard-00003/part-00042.safetensors", b"left by an older run")
     settings = HiddenStatesConfig(dtype="float32", max_tokens_per_batch=64, part_size_bytes=40_000)
 
-    index = extract_shard(store, 3, fp32, settings)
+    index = extract_shard(store, shard, fp32, settings)
 
     assert not store.exists("hidden_states/shard-00003/part-00042.safetensors")
     assert store.written[-1] == "hidden_states/shard-00003/index.json"
@@ -160,8 +160,8 @@ def test_shard_splits_into_parts_and_reads_back_equal(fp32: TargetModel, tmp_pat
 
 
 def test_corrupted_part_is_detected(fp32: TargetModel, store: RunStore) -> None:
-    write_sequences(store, 0, random_rows([30, 30, 30, 30], seed=4))
-    extract_shard(store, 0, fp32, HiddenStatesConfig(dtype="float32", part_size_bytes=50_000))
+    shard = write_sequences(store, 0, random_rows([30, 30, 30, 30], seed=4))
+    extract_shard(store, shard, fp32, HiddenStatesConfig(dtype="float32", part_size_bytes=50_000))
     index_rel = "hidden_states/shard-00000/index.json"
     assert len(list(read_hidden_state_shard(store, index_rel))) == 4
 
@@ -179,9 +179,9 @@ def test_a_final_norm_that_final_rms_norm_cannot_redo_is_refused(model_dir: str,
     """A Gemma-style (1 + weight) or LayerNorm target would otherwise give wrong after-norm exports, silently."""
     target = load_target_model.__wrapped__(model_dir, "float32", "cpu")  # a private copy to change
     target.base.norm.register_forward_hook(lambda module, args, output: output + 1.0)
-    write_sequences(store, 0, random_rows([5, 9], seed=8))
+    shard = write_sequences(store, 0, random_rows([5, 9], seed=8))
     with pytest.raises(HiddenStatesError, match="not the plain RMSNorm"):
-        extract_shard(store, 0, target, HiddenStatesConfig(dtype="float32"))
+        extract_shard(store, shard, target, HiddenStatesConfig(dtype="float32"))
     assert not store.exists(artifact_path("hidden_states", 0))
 
 
@@ -189,9 +189,9 @@ def test_non_finite_states_name_the_sample_and_leave_no_index(model_dir: str, st
     target = load_target_model.__wrapped__(model_dir, "float32", "cpu")  # a private copy to poison
     with torch.no_grad():
         target.base.get_input_embeddings().weight[7] = float("nan")
-    write_sequences(store, 1, [("fine", [1, 2, 3], [0, 1, 1]), ("poisoned-42", [1, 7, 3], [0, 1, 1])])
+    shard = write_sequences(store, 1, [("fine", [1, 2, 3], [0, 1, 1]), ("poisoned-42", [1, 7, 3], [0, 1, 1])])
     with pytest.raises(HiddenStatesError, match=r"'poisoned-42'.*NaN"):
-        extract_shard(store, 1, target, HiddenStatesConfig(dtype="float32"))
+        extract_shard(store, shard, target, HiddenStatesConfig(dtype="float32"))
     assert not store.exists(artifact_path("hidden_states", 1))
 
 
@@ -207,15 +207,15 @@ def test_non_finite_states_name_the_sample_and_leave_no_index(model_dir: str, st
 def test_bad_sequences_are_refused_by_name(
     store: RunStore, rows: list[tuple[str, list[int], list[int]]], message: str
 ) -> None:
-    write_sequences(store, 0, rows)
+    shard = write_sequences(store, 0, rows)
     with pytest.raises(HiddenStatesError, match=message):
-        read_sequences(store, artifact_path("sequences", 0), vocab_size=512)
+        read_sequences(store, shard, vocab_size=512)
 
 
 def test_bf16_bytes_per_token_are_four_hidden_states_plus_ids_and_mask(model_dir: str, store: RunStore) -> None:
     target = load_target_model(model_dir, "bfloat16", "cpu")
-    write_sequences(store, 0, random_rows([64] * 8, seed=5))
-    index = extract_shard(store, 0, target, HiddenStatesConfig(dtype="bfloat16"))
+    shard = write_sequences(store, 0, random_rows([64] * 8, seed=5))
+    index = extract_shard(store, shard, target, HiddenStatesConfig(dtype="bfloat16"))
 
     [part] = index["parts"]
     per_token = part["bytes"] / index["num_tokens"]
@@ -228,8 +228,7 @@ def test_bf16_bytes_per_token_are_four_hidden_states_plus_ids_and_mask(model_dir
 
 def test_task_hands_on_a_ref_to_the_index(model_dir: str, tmp_path: Path) -> None:
     store = RunStore(str(tmp_path), "run")
-    write_sequences(store, 2, random_rows([10, 20, 5], seed=6))
-    sequences = ShardRef("sequences", 2, artifact_path("sequences", 2), 3, "unused-here")
+    sequences = write_sequences(store, 2, random_rows([10, 20, 5], seed=6))
 
     settings = HiddenStatesConfig(dtype="float32")
     ref = extract_hidden_states.fn(sequences, settings, model_dir, "fp", str(tmp_path), "run")
@@ -252,9 +251,7 @@ def test_shards_extracted_in_parallel_threads_do_not_mix_states(model_dir: str, 
     store = RunStore(str(tmp_path), "run")
     settings = HiddenStatesConfig(dtype="float32", max_tokens_per_batch=64)  # many forward passes per shard
     lengths = {i: [(7 * i + 13 * k) % 60 + 3 for k in range(12)] for i in range(6)}
-    for index, sizes in lengths.items():
-        write_sequences(store, index, random_rows(sizes, seed=index))
-    refs = [ShardRef("sequences", i, artifact_path("sequences", i), len(s), "x") for i, s in lengths.items()]
+    refs = [write_sequences(store, index, random_rows(sizes, seed=index)) for index, sizes in lengths.items()]
     import time
 
     from tasks.hidden_states.transformers_backend import load_target_model
