@@ -20,7 +20,7 @@ from prefect import task
 from eagle3_datagen.artifacts import PROMPTS_SUMMARY, REJECTED_PATH, ShardRef, sha256_hex
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
-from eagle3_datagen.errors import ConfigurationError, retry_unless_user_error
+from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.storage import RunStore
 
 PromptFormat = Literal["auto", "sharegpt", "openai"]
@@ -44,7 +44,7 @@ class RowRejected(ValueError):
     """A row that cannot become a prompt: its reason is logged and the run goes on."""
 
 
-class DataSourceError(ConfigurationError, ValueError):
+class DataSourceError(UserError, ValueError):
     """The dataset as a whole cannot be used (missing, empty, no prompt column, every row rejected)."""
 
 
