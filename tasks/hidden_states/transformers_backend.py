@@ -28,9 +28,21 @@ class TargetModel(TargetInfo):
     base: torch.nn.Module
     dtype: torch.dtype
 
-@lru_cache(maxsize=1)
+_LOAD_LOCK = threading.Lock()
+
+
 def load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
-    """Load once per process (a run has many shards); one entry, so a new target replaces the old in memory."""
+    """Load once per process (a run has many shards); one entry, so a new target replaces the old in memory.
+
+    Shards run in threads: the lock makes the others wait for the first load instead of each loading its own copy
+    of the weights (a cache alone lets concurrent misses through).
+    """
+    with _LOAD_LOCK:
+        return _load_target_model(path, dtype, device_map)
+
+
+@lru_cache(maxsize=1)
+def _load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
     # "cpu" is where from_pretrained loads anyway; any device_map at all would make accelerate a requirement.
     placement = {} if device_map == "cpu" else {"device_map": device_map}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placement).eval()
@@ -54,6 +66,7 @@ def load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
     )
 
 _FORWARD_LOCK = threading.Lock()
+
 
 def capture_batch(
     target: TargetModel, aux_layers: Sequence[int], sequences: Sequence[torch.Tensor]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -267,3 +268,25 @@ def test_shards_extracted_in_parallel_threads_do_not_mix_states(model_dir: str, 
     for index, sizes in lengths.items():
         samples = list(read_hidden_state_shard(store, artifact_path("hidden_states", index)))
         assert sorted(len(s.input_ids) for s in samples) == sorted(sizes)
+
+
+def test_shards_in_threads_load_the_target_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mapped shards start at once in threads: one copy of the weights, not one per shard."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import tasks.hidden_states.transformers_backend as backend
+
+    random_qwen3().save_pretrained(tmp_path / "target")
+    loads: list[str] = []
+    real = backend.AutoModelForCausalLM.from_pretrained
+
+    def slow_counted_load(path: str, **kwargs: Any) -> Any:
+        loads.append(path)
+        time.sleep(0.2)  # long enough for every thread to miss the cache together
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(backend.AutoModelForCausalLM, "from_pretrained", slow_counted_load)
+    with ThreadPoolExecutor(4) as pool:
+        targets = list(pool.map(lambda _: load_target_model(str(tmp_path / "target"), "float32", "cpu"), range(4)))
+    assert len(loads) == 1 and all(target is targets[0] for target in targets)
