@@ -38,11 +38,11 @@ def load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
     of the weights (a cache alone lets concurrent misses through).
     """
     with _LOAD_LOCK:
-        return _load_target_model(path, dtype, device_map)
+        return _cached_target_model(path, dtype, device_map)
 
 
-@lru_cache(maxsize=1)
-def _load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
+def fresh_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
+    """A new copy of the target, loaded now (`load_target_model` shares one)."""
     # "cpu" is where from_pretrained loads anyway; any device_map at all would make accelerate a requirement.
     placement = {} if device_map == "cpu" else {"device_map": device_map}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placement).eval()
@@ -65,6 +65,8 @@ def _load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
         norm_eps=float(eps),
     )
 
+
+_cached_target_model = lru_cache(maxsize=1)(fresh_target_model)
 _FORWARD_LOCK = threading.Lock()
 
 

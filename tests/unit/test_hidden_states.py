@@ -24,7 +24,13 @@ from tasks.hidden_states import extract_hidden_states
 from tasks.hidden_states.batching import plan_batches
 from tasks.hidden_states.parts import read_sequences
 from tasks.hidden_states.targets import default_aux_layers, resolve_aux_layers
-from tasks.hidden_states.transformers_backend import TargetModel, capture_batch, extract_shard, load_target_model
+from tasks.hidden_states.transformers_backend import (
+    TargetModel,
+    capture_batch,
+    extract_shard,
+    fresh_target_model,
+    load_target_model,
+)
 
 torch.set_num_threads(1)
 
@@ -178,7 +184,7 @@ def test_corrupted_part_is_detected(fp32: TargetModel, store: RunStore) -> None:
 
 def test_a_final_norm_that_final_rms_norm_cannot_redo_is_refused(model_dir: str, store: RunStore) -> None:
     """A Gemma-style (1 + weight) or LayerNorm target would otherwise give wrong after-norm exports, silently."""
-    target = load_target_model.__wrapped__(model_dir, "float32", "cpu")  # a private copy to change
+    target = fresh_target_model(model_dir, "float32", "cpu")  # a private copy to change
     target.base.norm.register_forward_hook(lambda module, args, output: output + 1.0)
     shard = write_sequences(store, 0, random_rows([5, 9], seed=8))
     with pytest.raises(HiddenStatesError, match="not the plain RMSNorm"):
@@ -187,7 +193,7 @@ def test_a_final_norm_that_final_rms_norm_cannot_redo_is_refused(model_dir: str,
 
 
 def test_non_finite_states_name_the_sample_and_leave_no_index(model_dir: str, store: RunStore) -> None:
-    target = load_target_model.__wrapped__(model_dir, "float32", "cpu")  # a private copy to poison
+    target = fresh_target_model(model_dir, "float32", "cpu")  # a private copy to poison
     with torch.no_grad():
         target.base.get_input_embeddings().weight[7] = float("nan")
     shard = write_sequences(store, 1, [("fine", [1, 2, 3], [0, 1, 1]), ("poisoned-42", [1, 7, 3], [0, 1, 1])])
