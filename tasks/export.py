@@ -31,7 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from safetensors.torch import save as save_safetensors
 
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, sha256_hex, shard_name
-from eagle3_datagen.errors import UserError
+from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.hidden_state_format import FORMAT, final_rms_norm, read_final_norm, read_hidden_state_shard
 from eagle3_datagen.storage import RunStore
 
@@ -239,7 +239,7 @@ def export_run(run_uri: str, export_format: ExportFormat, out_uri: str | None = 
     return {"out": plan.out_uri, **finish_export(plan)}
 
 
-@task(name="export-shard", retries=1, cache_policy=NO_CACHE)
+@task(name="export-shard", retries=1, retry_condition_fn=retry_unless_user_error, cache_policy=NO_CACHE)
 def export_shard_task(plan: ExportPlan, shard: ShardExport) -> int:
     """Prefect stage 7 for one shard: the marker, not a cached result, says it is done."""
     return len(export_shard(plan, shard)["ids"])

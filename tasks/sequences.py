@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from eagle3_datagen.artifacts import ShardRef, rejected_path
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import SequencesConfig
+from eagle3_datagen.errors import retry_unless_user_error
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import (
@@ -131,7 +132,8 @@ def to_parquet(sequences: list[Sequence]) -> bytes:
     return buffer.getvalue()
 
 
-@task(name="build-sequences", retries=1, persist_result=True, cache_policy=STAGE_CACHE)
+@task(name="build-sequences", retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
+      cache_policy=STAGE_CACHE)
 def build_sequence_shard(
     generations: ShardRef,
     profile: ModelProfile,

@@ -7,13 +7,15 @@ from prefect import task
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
+from eagle3_datagen.errors import retry_unless_user_error
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.targets import resolve_aux_layers, target_num_layers
 from tasks.hidden_states.transformers_backend import extract_shard, load_target_model
 from tasks.hidden_states.vllm_backend import extract_shard_vllm, load_served_target
 
 
-@task(name="extract-hidden-states", retries=1, persist_result=True, cache_policy=STAGE_CACHE)
+@task(name="extract-hidden-states", retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
+      cache_policy=STAGE_CACHE)
 def extract_hidden_states(
     sequences: ShardRef,
     settings: HiddenStatesConfig,
