@@ -52,18 +52,13 @@ class RunLog:
         self._console: list[tuple[logging.Handler, logging.Formatter | None]] = []
 
     def __enter__(self) -> RunLog:
-        from prefect.logging.handlers import PrefectConsoleHandler  # importing prefect configures its logging
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = logging.FileHandler(self.path, encoding="utf-8")
         self._file.setFormatter(logging.Formatter(FILE_FORMAT))
-        root = logging.getLogger()
-        root.addHandler(self._file)
-        for logger in (root, logging.getLogger("uvicorn"), logging.getLogger("fastapi")):
-            for handler in logger.handlers:
-                if isinstance(handler, PrefectConsoleHandler):
-                    self._console.append((handler, handler.formatter))
-                    handler.setFormatter(OneLineFormatter(handler.formatter))
+        logging.getLogger().addHandler(self._file)
+        for handler in _prefect_console_handlers():
+            self._console.append((handler, handler.formatter))
+            handler.setFormatter(OneLineFormatter(handler.formatter))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -78,13 +73,16 @@ class RunLog:
             self.path.parent.rmdir()
 
 
+def _prefect_console_handlers() -> list[logging.Handler]:
+    """The console handlers Prefect's logging config attached (importing prefect applies that config)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = (logging.getLogger(), logging.getLogger("uvicorn"), logging.getLogger("fastapi"))
+    return [handler for logger in loggers for handler in logger.handlers if isinstance(handler, PrefectConsoleHandler)]
+
 
 def silence_prefect_console() -> None:
     """Nothing more from Prefect on the console for the rest of the process (its temporary API shuts down at
     exit), so the line the command prints last stays last; the run's log file still gets everything."""
-    from prefect.logging.handlers import PrefectConsoleHandler
-
-    for logger in (logging.getLogger(), logging.getLogger("uvicorn"), logging.getLogger("fastapi")):
-        for handler in logger.handlers:
-            if isinstance(handler, PrefectConsoleHandler):
-                handler.setLevel(logging.CRITICAL + 1)
+    for handler in _prefect_console_handlers():
+        handler.setLevel(logging.CRITICAL + 1)
