@@ -331,7 +331,6 @@ async def _torn(text: str):  # type: ignore[no-untyped-def]
     raise ConnectionResetError("scripted connection reset")
 
 
-
 def main(argv: list[str] | None = None) -> None:
     """Serve until SIGTERM or SIGINT, in its own process so a client's CPU time excludes the server's."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

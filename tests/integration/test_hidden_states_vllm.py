@@ -38,7 +38,6 @@ from tasks.hidden_states.vllm_backend import ServedTarget, load_served_target, s
 torch.set_num_threads(1)
 
 
-
 @pytest.fixture(scope="module")
 def served_target(tmp_path_factory: pytest.TempPathFactory) -> ServedTarget:
     """A random tiny Qwen3 saved in several shards, so the final norm is found through the sharded index."""
