@@ -7,6 +7,7 @@ environment's python on `infra/vllm_cpu/launch.py` and talks to the server over 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ import httpx
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VLLM_CPU_DIR = REPO_ROOT / "infra" / "vllm_cpu"  # runs in vLLM's environment: the launcher, the CPU connector
 LAUNCHER = VLLM_CPU_DIR / "launch.py"
+INDUCTOR_CACHE = REPO_ROOT / "build" / "torchinductor"
 
 
 def vllm_python() -> Path:
@@ -56,7 +58,10 @@ class LocalVLLMServer:
         self.reasoning_parser = reasoning_parser
         self.port = port or free_port()
         self.extra_args = list(extra_args)
-        self.log_path = log_path or Path(tempfile.mkdtemp(prefix="vllm-")) / "server.log"
+        # vLLM's temporary files (IPC sockets, a rendezvous file), which it leaves behind: stop() removes them,
+        # and the log with them unless it was given a place of its own.
+        self._scratch = tempfile.mkdtemp(prefix="eagle3-vllm-")
+        self.log_path = log_path or Path(self._scratch) / "server.log"
         self.startup_timeout_s = startup_timeout_s
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -79,7 +84,10 @@ class LocalVLLMServer:
     def start(self) -> LocalVLLMServer:
         """Start the server and wait for /health; raise with the log's tail if it dies or never answers."""
         # CPU platform without relying on version strings; 1 GiB of KV cache is plenty for a tiny model.
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        # Compiled CPU kernels are a cache worth keeping between servers: in the repo's build/, not in /tmp.
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "TMPDIR": self._scratch,
+               "VLLM_RPC_BASE_PATH": self._scratch, "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE)}
+        os.makedirs(self._scratch, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(
@@ -90,31 +98,33 @@ class LocalVLLMServer:
             while time.monotonic() < deadline:
                 returncode = self._process.poll()
                 if returncode is not None:
+                    tail = self.log_tail()
                     self.stop()
-                    raise RuntimeError(f"vLLM exited with code {returncode}:\n{self.log_tail()}")
+                    raise RuntimeError(f"vLLM exited with code {returncode}:\n{tail}")
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
                         return self
                 except httpx.TransportError:
                     pass
                 time.sleep(0.5)
+        tail = self.log_tail()
         self.stop()
-        raise TimeoutError(f"vLLM not healthy after {self.startup_timeout_s:.0f} s:\n{self.log_tail()}")
+        raise TimeoutError(f"vLLM not healthy after {self.startup_timeout_s:.0f} s:\n{tail}")
 
     def stop(self, grace_s: float = 10) -> None:
         """SIGTERM the whole process group (vLLM forks an engine core), SIGKILL whatever outlives the grace."""
-        if self._process is None:
-            return
-        pgid = self._process.pid
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while self._process.poll() is None or _signal_group(pgid, 0):
-            if time.monotonic() > deadline:
-                _signal_group(pgid, signal.SIGKILL)
-                break
-            time.sleep(0.2)
-        self._process.wait()
-        self._process = None
+        if self._process is not None:
+            pgid = self._process.pid
+            _signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self._process.poll() is None or _signal_group(pgid, 0):
+                if time.monotonic() > deadline:
+                    _signal_group(pgid, signal.SIGKILL)
+                    break
+                time.sleep(0.2)
+            self._process.wait()
+            self._process = None
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def log_tail(self, lines: int = 40) -> str:
         """The last lines of the server log, to say why it failed."""
