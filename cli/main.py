@@ -145,6 +145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         silence_prefect_console()
         print(f"error: {error.one_line()}", file=sys.stderr)
         return error.exit_status
+    except KeyboardInterrupt:
+        silence_prefect_console()
+        print("cancelled: stopped by Ctrl-C; run again to resume (finished work is kept)", file=sys.stderr)
+        return 130
     silence_prefect_console()
     return status
 

@@ -278,7 +278,7 @@ def record_run_end(status: str) -> Callable[[Any, Any, Any], None]:
         if manifest.get("status") != "running":
             return  # finish-run already ended it, or the run failed before it began
         error = None if status == "cancelled" else state.result(raise_on_failure=False)
-        if status == "cancelled" or isinstance(error, TerminationSignal):
+        if status == "cancelled" or isinstance(error, TerminationSignal | KeyboardInterrupt):
             end_run(store, "cancelled", "stopped by a termination signal or a cancel: run again to resume; "
                                         "finished work is kept")
             return

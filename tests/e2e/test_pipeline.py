@@ -389,3 +389,22 @@ def test_verify_after_a_kill_says_what_is_missing_and_the_next_run_says_it_was_i
     assert main(["verify", str(tmp_path / "flow")]) == 0
     assert capsys.readouterr().out.strip().endswith("run complete and consistent")
 
+
+
+def test_ctrl_c_ends_the_run_cancelled_with_one_line(tiny_model: Path, tmp_path: Path) -> None:
+    import signal
+
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)),
+                               latency_s=0.2)) as server:
+        cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none", server__max_in_flight=1)
+        child = start_cli(write_config(tmp_path / "c.yaml", cfg), tmp_path)
+        deadline = time.monotonic() + 120
+        while server.log.requests < 6:
+            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+            time.sleep(0.05)
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+    assert child.returncode == 130
+    assert err.strip().splitlines()[-1].startswith("cancelled: stopped by Ctrl-C; run again to resume")
+    assert "Traceback" not in err
+    assert manifest_of(tmp_path / "flow")["status"] == "cancelled"
