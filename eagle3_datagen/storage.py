@@ -136,10 +136,10 @@ class RunStore:
 
     def read_shard_records(self, ref: ShardRef) -> list[dict[str, Any]]:
         """The JSONL records of a checked shard."""
-        return [json.loads(line) for line in self.read_shard(ref).decode("utf-8").splitlines() if line.strip()]
+        return parse_jsonl(self.read_shard(ref))
 
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in self.read_text(rel).splitlines() if line.strip()]
+        return parse_jsonl(self.read_bytes(rel))
 
     def write_jsonl(self, rel: str, rows: list[dict[str, Any]]) -> None:
         self.write_text(rel, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
@@ -168,6 +168,11 @@ class RunStore:
     def local_path(self, rel: str) -> str | None:
         """The plain filesystem path when the run lives on local disk (for appending partial files)."""
         return self.path(rel) if self._local else None
+
+
+def parse_jsonl(data: bytes) -> list[dict[str, Any]]:
+    """The records of a JSON Lines file's bytes (blank lines skipped)."""
+    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:

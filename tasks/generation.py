@@ -103,7 +103,6 @@ class _Endpoint:
     trial_in_flight: bool = False
     broken_answers: int = 0  # HTTP 500 or protocol-breaking answers in a row
     dead: bool = False  # given up on: no more requests go to it
-    sent: int = 0
 
 
 class EndpointPool:
@@ -147,7 +146,6 @@ class EndpointPool:
                     trial = chosen.down_since is not None
                     chosen.trial_in_flight |= trial
                     chosen.in_flight += 1
-                    chosen.sent += 1
                     return chosen, trial
                 await self._changed.wait()
             return None

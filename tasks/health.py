@@ -57,9 +57,15 @@ class PromptLengths:
         self._store, self._shards, self._tokenizer, self._profile = store, shards, tokenizer, profile
         empty = render_generation_prompt(tokenizer, [{"role": "user", "content": ""}], profile)
         self._per_message = len(tokenizer(empty, add_special_tokens=False)["input_ids"])
+        self._counted: dict[int, tuple[int, int, int]] = {}  # by room: endpoints usually share one context
 
     def beyond(self, room: int) -> tuple[int, int, int]:
         """(prompts longer than `room` tokens, all prompts, tokens of the longest of those)."""
+        if room not in self._counted:
+            self._counted[room] = self._count_beyond(room)
+        return self._counted[room]
+
+    def _count_beyond(self, room: int) -> tuple[int, int, int]:
         over = total = longest = 0
         for ref in self._shards:
             for record in self._store.read_shard_records(ref):

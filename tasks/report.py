@@ -27,7 +27,7 @@ from eagle3_datagen.config import ConfigError, PipelineConfig, parse_config
 from eagle3_datagen.errors import UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.redaction import redact
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunStore, parse_jsonl
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
 
 
@@ -103,7 +103,7 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
         status["generations"] = {"status": "pending"}
         return status
     data = store.read_bytes(generations)
-    records = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+    records = parse_jsonl(data)
     rejected = rejected_path("generations", index)
     reasoning_lengths = [_reasoning_tokens(r, end_id) for r in records]
     status["generations"] = {

@@ -5,7 +5,9 @@ tokenizer: every stage, the cache, the one-line errors, and secrets kept out of 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from cli.demo import DEMO_MODEL_NAME, demo_questions
@@ -48,6 +51,12 @@ def config(tiny_model: Path, url: str, output: Path, **changes: Any) -> Pipeline
         section, key = dotted.split("__")
         tree.setdefault(section, {})[key] = value
     return parse_config(tree)
+
+
+def write_config(path: Path, cfg: PipelineConfig) -> str:
+    """The config as the YAML file a user passes to `eagle3-datagen run --config`."""
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    return str(path)
 
 
 def test_every_stage_runs_and_a_second_run_is_all_cached(tiny_model: Path, server: ScriptedServer,
@@ -160,13 +169,8 @@ def test_missing_config_file_and_unreachable_server_are_one_line(tiny_model: Pat
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--config", str(tmp_path / "absent.yaml")]) == 2
     assert "not found: pass --config" in capsys.readouterr().err
-    path = tmp_path / "c.yaml"
-    cfg = config(tiny_model, "http://127.0.0.1:9", tmp_path).model_dump(mode="json")
-    cfg["server"]["startup_timeout_s"] = 1
-    import yaml
-
-    path.write_text(yaml.safe_dump(cfg))
-    assert main(["run", "--config", str(path)]) == 1
+    cfg = config(tiny_model, "http://127.0.0.1:9", tmp_path, server__startup_timeout_s=1)
+    assert main(["run", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "did not answer /health within 1s: start the server" in err
 
@@ -175,13 +179,8 @@ def test_a_dataset_without_a_prompt_column_is_one_line(tiny_model: Path, tmp_pat
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "bad.jsonl"
     data.write_text('{"question": "hi"}\n')
-    cfg = config(tiny_model, "http://127.0.0.1:9", tmp_path).model_dump(mode="json")
-    cfg["data"]["source"] = str(data)
-    import yaml
-
-    path = tmp_path / "c.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    assert main(["run", "--config", str(path)]) == 1
+    cfg = config(tiny_model, "http://127.0.0.1:9", tmp_path, data__source=str(data))
+    assert main(["run", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "question" in err and "conversations" in err
 
@@ -247,13 +246,6 @@ def test_rerun_failed_reads_the_manifest_and_redoes_only_what_failed(tiny_model:
     assert [q for q in asked_again if "France" in q] == ["What is the capital of France?"]
     assert len(asked_again) <= 3, "the probe's two prompts and the one that failed"
     assert main(["verify", str(tmp_path / "flow")]) == 0
-
-
-def write_config(path: Path, cfg: PipelineConfig) -> str:
-    import yaml
-
-    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
-    return str(path)
 
 
 def manifest_of(run: Path) -> dict[str, Any]:
@@ -328,17 +320,20 @@ def test_a_probe_error_is_the_last_line_and_its_traceback_is_in_the_run_log(
     assert manifest_of(tmp_path / "flow")["status"] == "failed"
 
 
-def start_cli(config_path: str, tmp_path: Path) -> subprocess.Popen[str]:
-    """The command as a user runs it, in its own process, against this module's Prefect API."""
-    import os
-
+def start_cli_until(config_path: str, server: ScriptedServer, requests: int) -> subprocess.Popen[str]:
+    """The command as a user runs it, in its own process against this module's Prefect API, once the server has
+    seen `requests` requests (it must not end before)."""
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value() or ""}
-    return subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", config_path], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            cwd=Path(__file__).resolve().parents[2])
-
+    child = subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", config_path], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             cwd=Path(__file__).resolve().parents[2])
+    deadline = time.monotonic() + 120
+    while server.log.requests < requests:
+        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+        time.sleep(0.05)
+    return child
 
 def test_a_server_killed_mid_run_ends_the_process_failed_within_give_up_after_s(
         tiny_model: Path, tmp_path: Path) -> None:
@@ -346,12 +341,8 @@ def test_a_server_killed_mid_run_ends_the_process_failed_within_give_up_after_s(
                                    latency_s=0.1)).__enter__()
     cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none", server__give_up_after_s=3,
                  server__max_in_flight=2, validation__early_abort_after=4)
-    child = start_cli(write_config(tmp_path / "c.yaml", cfg), tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while server.log.requests < 10:
-            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
-            time.sleep(0.05)
+        child = start_cli_until(write_config(tmp_path / "c.yaml", cfg), server, 10)
     finally:
         server.__exit__(None, None, None)
     _, err = child.communicate(timeout=120)
@@ -363,17 +354,10 @@ def test_a_server_killed_mid_run_ends_the_process_failed_within_give_up_after_s(
 
 def test_verify_after_a_kill_says_what_is_missing_and_the_next_run_says_it_was_interrupted(
         tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import os
-    import signal
-
     with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)),
                                latency_s=0.2)) as server:
         cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none", server__max_in_flight=2)
-        child = start_cli(write_config(tmp_path / "c.yaml", cfg), tmp_path)
-        deadline = time.monotonic() + 120
-        while server.log.requests < 12:
-            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
-            time.sleep(0.05)
+        child = start_cli_until(write_config(tmp_path / "c.yaml", cfg), server, 12)
         os.killpg(child.pid, signal.SIGKILL)
         child.communicate()
         capsys.readouterr()
@@ -390,18 +374,11 @@ def test_verify_after_a_kill_says_what_is_missing_and_the_next_run_says_it_was_i
     assert capsys.readouterr().out.strip().endswith("run complete and consistent")
 
 
-
 def test_ctrl_c_ends_the_run_cancelled_with_one_line(tiny_model: Path, tmp_path: Path) -> None:
-    import signal
-
     with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)),
                                latency_s=0.2)) as server:
         cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none", server__max_in_flight=1)
-        child = start_cli(write_config(tmp_path / "c.yaml", cfg), tmp_path)
-        deadline = time.monotonic() + 120
-        while server.log.requests < 6:
-            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
-            time.sleep(0.05)
+        child = start_cli_until(write_config(tmp_path / "c.yaml", cfg), server, 6)
         child.send_signal(signal.SIGINT)
         _, err = child.communicate(timeout=60)
     assert child.returncode == 130
