@@ -44,7 +44,11 @@ class ServerConfig(_Section):
     endpoints: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1, description="vLLM base URLs."
     )
-    max_in_flight: PositiveInt = Field(default=64, description="Requests in flight per endpoint.")
+    max_in_flight: PositiveInt | Literal["auto"] = Field(
+        default=64,
+        description="Requests in flight per endpoint, or `auto`: follow each vLLM server's load (/metrics), "
+        "growing while nothing waits in its queue and its KV cache has room, shrinking when requests queue.",
+    )
     share_budget_across_runs: bool = Field(
         default=False,
         description="Also hold a slot of the Prefect global concurrency limit `eagle3:<endpoint>` (max_in_flight "
@@ -72,6 +76,12 @@ class ServerConfig(_Section):
         "500 or a malformed response); the run ends when no endpoint is left.",
     )
 
+    @model_validator(mode="after")
+    def _shared_budget_is_fixed(self) -> ServerConfig:
+        if self.share_budget_across_runs and self.max_in_flight == "auto":
+            raise ValueError("share_budget_across_runs needs a number for server.max_in_flight, not auto")
+        return self
+
     @field_validator("endpoints")
     @classmethod
     def _http_urls(cls, endpoints: list[str]) -> list[str]:
@@ -97,12 +107,16 @@ class ValidationConfig(_Section):
     max_empty_content_rate: float = Field(default=0.10, ge=0, le=1)
     max_truncated_rate: float = Field(default=0.10, ge=0, le=1)
     early_abort_after: PositiveInt = Field(
-        default=32, description="Check the empty-reasoning rate after this many records and abort if too high."
+        default=32,
+        description="The most requests a run may spend before its first answers are judged: it goes on as soon "
+        "as they show reasoning, and stops with the cause when they show none or the server refuses them.",
     )
     allow_inline_reasoning: bool = Field(
         default=False, description="Accept a server without a reasoning parser and split the tags out here."
     )
-    probe_requests: PositiveInt = Field(default=2, description="Short real requests sent before any shard.")
+    probe_requests: PositiveInt = Field(
+        default=2, description="Each endpoint's first answers checked for form (reasoning field, token ids, model) "
+        "before a record from it is kept.")
     min_accepted_rate: float = Field(
         default=0.5, ge=0, le=1,
         description="A run that accepts a smaller share of its prompts into the training set ends Failed; the "

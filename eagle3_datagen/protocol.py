@@ -19,6 +19,7 @@ from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.redaction import register_secret
 
 REASONING_FIELDS = ("reasoning", "reasoning_content")
+RUNNING, WAITING, KV_CACHE_USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 
 
@@ -54,6 +55,29 @@ class Completion:
     usage: dict[str, Any]
     model: str
     unread_fields: dict[str, str] = field(default_factory=dict)  # other long text fields of the message
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """What a vLLM server reports of its own load at /metrics."""
+
+    running: float
+    waiting: float
+    kv_cache_usage: float | None  # 0..1; None when the server does not report it
+
+
+def parse_metrics(text: str) -> ServerLoad | None:
+    """Requests running and waiting and KV-cache usage, summed over engines; None without vLLM's gauges."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in (RUNNING, WAITING, KV_CACHE_USAGE):
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    if RUNNING not in totals or WAITING not in totals:
+        return None
+    return ServerLoad(totals[RUNNING], totals[WAITING], totals.get(KV_CACHE_USAGE))
 
 
 def build_chat_request(
@@ -240,6 +264,14 @@ class OpenAIClient:
             data = await response.read()
             _raise_for_status(response.status, str(response.url), data)
         return {entry["id"]: entry.get("max_model_len") for entry in json.loads(data).get("data", [])}
+
+    async def load(self) -> ServerLoad | None:
+        """The server's load from its /metrics; None when it reports none or does not answer."""
+        try:
+            async with self._http().get("/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
+                return parse_metrics(await response.text()) if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            return None
 
     async def chat(self, body: dict[str, Any], profile: ModelProfile) -> list[Completion]:
         """One chat completion; transport failures and refusals become RequestFailed with `retryable` set."""

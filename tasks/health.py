@@ -1,14 +1,14 @@
-"""Stage 1: wait for every vLLM endpoint, check the served model, then probe reasoning with real requests.
+"""Stage 1: wait for every vLLM endpoint, check the served model and that the prompts fit its context.
 
-The probe exists because the costliest failure is quiet: thinking off, no reasoning parser, or reasoning in a
-field nobody reads. Each of these stops the run here, before the first shard, with the fix in the message.
+No chat request is sent here: reasoning is probed by generation's first requests (real prompts whose answers
+are kept), judged before the run may spend more (tasks/generation/probation.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -16,14 +16,11 @@ from transformers import PreTrainedTokenizerBase
 
 from eagle3_datagen.artifacts import MANIFEST, ShardRef
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
-from eagle3_datagen.diagnosis import ProbeFinding, ServerCheckFailed, diagnose
+from eagle3_datagen.diagnosis import ProbeFinding, ServerCheckFailed
 from eagle3_datagen.profiles import ModelProfile
-from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, api_key, build_chat_request
+from eagle3_datagen.protocol import OpenAIClient, api_key
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import load_tokenizer, render_generation_prompt
-
-PROBE_MAX_TOKENS = 256
-PROBE_CANDIDATES = 16  # prompts the probe may try, in order, until probe_requests are answered
 
 
 async def wait_until_healthy(client: OpenAIClient, timeout_s: float) -> None:
@@ -104,59 +101,36 @@ def check_context_length(endpoint: str, max_model_len: int | None, max_tokens: i
 async def check_endpoint(
     endpoint: str,
     model: str,
-    profile: ModelProfile,
     server: ServerConfig,
     generation: GenerationConfig,
     validation: ValidationConfig,
-    probe_prompts: list[list[dict[str, str]]],
     lengths: PromptLengths | None = None,
 ) -> ProbeFinding:
-    """Health, served model and its context length, then the reasoning probe on one endpoint."""
+    """Health, the served model, its context length, and its load report when the budget follows it."""
     async with OpenAIClient(endpoint, api_key(server), server.request_timeout_s) as client:
         await wait_until_healthy(client, server.startup_timeout_s)
         served = await client.served_models()
         check_served_model(endpoint, list(served), model)
+        if server.max_in_flight == "auto" and await client.load() is None:
+            raise ServerCheckFailed(
+                f"server.max_in_flight auto follows the load a vLLM server reports at /metrics, which {endpoint} "
+                "does not report: set a number for server.max_in_flight"
+            )
         warning = None if lengths is None else check_context_length(
             endpoint, served[model], generation.max_tokens, lengths, validation.min_accepted_rate)
-        max_tokens = min(generation.max_tokens, PROBE_MAX_TOKENS)
-        completions: list[Completion] = []
-        refused: list[str] = []
-        for messages in probe_prompts:  # a prompt the server refuses (too long, say) is not a server fault
-            body = build_chat_request(model, messages, profile, generation, max_tokens=max_tokens)
-            try:
-                completions.append((await client.chat(body, profile))[0])
-            except RequestFailed as error:
-                if error.retryable:
-                    raise ServerCheckFailed(
-                        f"probe request to {endpoint} failed: {error}: the server answers /health but not a chat "
-                        "request; see the server's log"
-                    ) from None
-                refused.append(str(error))
-            if len(completions) == validation.probe_requests:
-                break
-        if not completions:
-            raise ServerCheckFailed(f"{endpoint} refused every probe request: {refused[-1] if refused else 'none'}")
-        finding = diagnose(endpoint, list(served), completions, profile, validation.allow_inline_reasoning)
-        return replace(finding, max_model_len=served[model], context_warning=warning)
+        return ProbeFinding(endpoint, list(served), max_model_len=served[model], context_warning=warning)
 
 
 async def check_servers_async(
     model: str,
-    profile: ModelProfile,
     server: ServerConfig,
     generation: GenerationConfig,
     validation: ValidationConfig,
-    probe_prompts: list[list[dict[str, str]]],
     lengths: PromptLengths | None = None,
 ) -> list[ProbeFinding]:
-    return list(
-        await asyncio.gather(
-            *(
-                check_endpoint(url, model, profile, server, generation, validation, probe_prompts, lengths)
-                for url in server.endpoints
-            )
-        )
-    )
+    return list(await asyncio.gather(
+        *(check_endpoint(url, model, server, generation, validation, lengths) for url in server.endpoints)
+    ))
 
 
 @task(name="check-servers", cache_policy=NO_CACHE, retries=0)
@@ -171,15 +145,11 @@ def check_servers(
     output_uri: str,
     run_name: str,
 ) -> list[ProbeFinding]:
-    """Fail the run before generation unless every endpoint is up, serves the model with room for (enough of)
-    the prompts plus max_tokens, and reasons visibly.
-
-    The probe sends the run's first prompts with the run's own settings, so it tests what generation will do.
-    """
+    """Fail the run before generation unless every endpoint is up and serves the model with room for (enough
+    of) the prompts plus max_tokens; the findings start the manifest's `probe` entries."""
     store = RunStore(output_uri, run_name)
-    prompts = [record["messages"] for record in store.read_shard_records(prompt_shards[0])[:PROBE_CANDIDATES]]
     lengths = PromptLengths(store, prompt_shards, load_tokenizer(tokenizer), profile)
-    findings = asyncio.run(check_servers_async(model, profile, server, generation, validation, prompts, lengths))
+    findings = asyncio.run(check_servers_async(model, server, generation, validation, lengths))
     for finding in findings:
         if finding.context_warning:
             get_run_logger().warning(finding.context_warning)

@@ -219,22 +219,37 @@ def test_progress_is_reported_while_generating(tmp_path: Path) -> None:
 
 
 def test_early_abort_spends_at_most_n_requests(tmp_path: Path) -> None:
+    """Thinking off: three empty answers in a row stop the run, the rest of the window is cancelled."""
     store = RunStore(str(tmp_path), "abort")
     refs = write_prompt_shards(store, 4, 50)
     with ScriptedServer(Script(shape="none", latency_s=0.01)) as server:
-        with pytest.raises(GenerationError, match="early abort: 8 of the first 8 records have empty reasoning"):
+        with pytest.raises(GenerationError, match="early abort: 3 of the first 3 records have empty reasoning"):
             run_generation(store, refs, [server.url], budget=32, validation=ValidationConfig(early_abort_after=8))
-        assert server.log.requests == 8
+        assert server.log.requests <= 8
     partial = tmp_path / "abort" / "generations" / "shard-00000.partial.jsonl"
     lines = [json.loads(line) for line in partial.read_text().splitlines()]
-    assert sum("records" in line for line in lines) == 8, "records already received are kept"
-    assert sum("discard" in line for line in lines) == 8, "and marked, to be asked again after the fix"
+    kept = sum("records" in line for line in lines)
+    assert kept >= 3, "records already received are kept"
+    assert sum("discard" in line for line in lines) == kept, "and marked, to be asked again after the fix"
     assert not store.exists("generations/settings.json"), "nothing kept pins the settings"
     with ScriptedServer(Script(latency_s=0.01)) as server:
         out = run_generation(store, refs, [server.url], budget=32, validation=ValidationConfig(early_abort_after=8))
         assert server.log.requests == 200, "the aborted window's prompts are asked again once the server is fixed"
     for ref in out:
         assert all(record["reasoning"].strip() for record in store.read_jsonl(ref.path))
+
+
+def test_the_verdict_releases_the_budget_without_waiting_for_the_slowest_of_the_window(tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 2, 50)
+    script = Script(faults=["slow"], slow_s=3, latency_s=0.01)  # the window's first request takes 3 s
+    with ScriptedServer(script) as server:
+        run_generation(store, refs, [server.url], budget=32, validation=ValidationConfig(early_abort_after=16))
+        in_flight = [count for _, count in server.log.in_flight_samples or []]
+        assert server.log.requests == 100, "every prompt asked once: the window's answers are kept records"
+    assert in_flight[-2:] == [1, 0] and 0 not in in_flight[:-1], \
+        "every other prompt was sent and answered while the slowest of the window was still running"
+    assert assert_exactly_once(store, refs) == (100, 0)
 
 
 def test_every_record_is_captured_byte_for_byte(tmp_path: Path) -> None:
@@ -345,8 +360,8 @@ def test_an_early_abort_counts_refusals_and_names_the_servers_reason(tmp_path: P
     store = RunStore(str(tmp_path), "run")
     refs = write_prompt_shards(store, 4, 25)
     with ScriptedServer(Script(faults=["http-400"] * 100)) as server:
-        with pytest.raises(GenerationError, match=r"early abort: the server refused 8 of the first 8 requests .*"
+        with pytest.raises(GenerationError, match=r"early abort: the server refused 5 of the first 5 requests .*"
                                                   r"scripted failure 400"):
             run_generation(store, refs, [server.url], budget=4, validation=ValidationConfig(early_abort_after=8))
-        assert server.log.requests == 8
+        assert server.log.requests <= 8, "more refusals than min_accepted_rate allows: the run stops at once"
     assert not any(store.exists(rejected_path("generations", ref.index)) for ref in refs)

@@ -1,19 +1,23 @@
 """Reasoning capture against a real HTTP server speaking every response shape vLLM has sent (or no longer sends).
 
-Each failure mode of the pre-flight probe stops the run with a message that names the fix, and the early abort
-spends at most N requests.
+Each way a server hides reasoning stops the run at its first answers with a message that names the fix.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from pathlib import Path
 
 import pytest
 
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
+from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.protocol import OpenAIClient, build_chat_request
+from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
+from tasks.generation import GenerationSettings, generate_async
 from tasks.health import ServerCheckFailed, check_servers_async
 
 QWEN3 = BUILTIN_PROFILES["qwen3"]
@@ -62,10 +66,17 @@ def test_request_puts_template_switch_and_token_ids_at_top_level() -> None:
     assert "extra_body" not in sent
 
 
-def _probe(url: str, model: str = "scripted-model", **validation: object) -> None:
-    asyncio.run(check_servers_async(model, QWEN3, ServerConfig(endpoints=[url], startup_timeout_s=5),
-                                    GenerationConfig(max_tokens=64), ValidationConfig(**validation),
-                                    [[{"role": "user", "content": QUESTION}]]))
+def _generate(url: str, tmp_path: Path, **validation: object) -> RunStore:
+    """Generate four prompts: each endpoint's first answers are the probe."""
+    store = RunStore(str(tmp_path), "probe")
+    rows = [{"id": f"p{i}", "row": i, "messages": [{"role": "user", "content": f"{QUESTION} ({i})"}]}
+            for i in range(4)]
+    refs = [store.write_shard("prompts", 0, rows)]
+    asyncio.run(generate_async(store, refs, GenerationSettings("scripted-model", QWEN3, GenerationConfig(max_tokens=64),
+                                                               "t"),
+                               ServerConfig(endpoints=[url], max_in_flight=4), ValidationConfig(**validation),
+                               logging.getLogger("test")))
+    return store
 
 
 @pytest.mark.parametrize(
@@ -76,23 +87,33 @@ def _probe(url: str, model: str = "scripted-model", **validation: object) -> Non
         (Script(shape="inline_with_start"), "--reasoning-parser qwen3"),
         (Script(shape="other_field"), "field(s) thinking that this run does not read"),
         (Script(return_token_ids=False), "returned no token ids"),
-        (Script(model="another-model"), "--served-model-name scripted-model"),
+        (Script(model="another-model"), "answered as model 'another-model'"),
     ],
     ids=["thinking-off", "no-parser", "no-parser-start-tag", "unread-field", "no-token-ids", "wrong-model"],
 )
-def test_probe_stops_each_failure_with_its_fix(script: Script, fix: str) -> None:
-    with ScriptedServer(script) as server, pytest.raises(ServerCheckFailed) as failure:
-        _probe(server.url)
+def test_the_first_answers_stop_each_failure_with_its_fix(script: Script, fix: str, tmp_path: Path) -> None:
+    with ScriptedServer(script) as server, pytest.raises(UserError) as failure:
+        _generate(server.url, tmp_path, early_abort_after=4)
     assert fix in str(failure.value)
     assert "\n" not in str(failure.value)
+    assert not list((tmp_path / "probe" / "generations").glob("shard-*[0-9].jsonl")), "no shard kept"
 
 
-def test_probe_accepts_inline_reasoning_when_the_config_allows_it() -> None:
+def test_inline_reasoning_is_accepted_when_the_config_allows_it(tmp_path: Path) -> None:
     with ScriptedServer(Script(shape="inline")) as server:
-        _probe(server.url, allow_inline_reasoning=True)
+        store = _generate(server.url, tmp_path, allow_inline_reasoning=True)
+    assert [r["reasoning_source"] for r in store.read_jsonl("generations/shard-00000.jsonl")] == ["inline"] * 4
+
+
+def test_a_served_model_of_another_name_is_refused_before_any_request() -> None:
+    with ScriptedServer(Script(model="another-model")) as server, pytest.raises(ServerCheckFailed) as failure:
+        asyncio.run(check_servers_async("scripted-model", ServerConfig(endpoints=[server.url], startup_timeout_s=5),
+                                        GenerationConfig(), ValidationConfig()))
+        assert server.log.requests == 0
+    assert "--served-model-name scripted-model" in str(failure.value)
 
 
 def test_unreachable_server_names_the_endpoint_and_the_fix() -> None:
     with pytest.raises(ServerCheckFailed, match=r"http://127.0.0.1:9 did not answer /health .* server.endpoints"):
-        asyncio.run(check_servers_async("m", QWEN3, ServerConfig(endpoints=["http://127.0.0.1:9"],
-                                        startup_timeout_s=1), GenerationConfig(), ValidationConfig(), []))
+        asyncio.run(check_servers_async("m", ServerConfig(endpoints=["http://127.0.0.1:9"], startup_timeout_s=1),
+                                        GenerationConfig(), ValidationConfig()))

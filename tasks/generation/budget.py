@@ -1,0 +1,46 @@
+"""`server.max_in_flight: auto`: each endpoint's budget follows the server's own load, read from vLLM's /metrics.
+
+The budget grows while nothing waits in the server's queue and its KV cache has room, and shrinks to what the
+server runs (plus a small queue, so a finished request is replaced without a round trip) when requests queue or
+the cache is full. A fixed budget is either too small for a big server or a long queue on a small one; this
+one keeps every endpoint just saturated whatever its size.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from eagle3_datagen.protocol import ServerLoad
+from tasks.generation.pool import Endpoint, EndpointPool, Log
+
+AUTO_START = 16  # the first budget of an endpoint under `auto`
+AUTO_CAP = 1024  # never more in flight to one endpoint
+FOLLOW_EVERY_S = 0.5
+KV_CACHE_FULL = 0.95  # share of the KV cache in use past which the server preempts
+KV_CACHE_ROOM = 0.85  # below this share there is room for more requests
+
+def next_limit(limit: int, peak_in_flight: int, load: ServerLoad) -> int:
+    """The next budget of an endpoint, from its current one, the most it had in flight lately, and its load."""
+    queue = max(2, limit // 16)
+    cache = load.kv_cache_usage
+    if load.waiting > queue or (cache is not None and cache >= KV_CACHE_FULL):
+        return max(1, min(limit, int(load.running) + queue))
+    if load.waiting == 0 and (cache is None or cache < KV_CACHE_ROOM) and peak_in_flight >= limit:
+        return min(AUTO_CAP, limit + max(1, limit // 4))
+    return limit
+
+
+async def follow_load(pool: EndpointPool, endpoint: Endpoint, log: Log, every_s: float = FOLLOW_EVERY_S) -> None:
+    """Move one endpoint's budget with its load until cancelled; a failed reading leaves the budget as it is."""
+    while True:
+        await asyncio.sleep(every_s)
+        peak, endpoint.peak_in_flight = endpoint.peak_in_flight, endpoint.in_flight
+        load = await endpoint.client.load()
+        if load is None:
+            continue
+        limit = next_limit(endpoint.limit, peak, load)
+        if limit != endpoint.limit:
+            log.debug("budget of %s: %d -> %d (running %.0f, waiting %.0f, KV cache %s)", endpoint.url,
+                      endpoint.limit, limit, load.running, load.waiting, load.kv_cache_usage)
+            pool.wake(max(0, limit - endpoint.limit))
+            endpoint.limit = limit

@@ -1,0 +1,185 @@
+"""The in-flight budget of a run's endpoints: who gets the next slot, and when a failing endpoint is given up on.
+
+Everything here runs on one event loop with no await between reading and changing state, so there is no lock:
+a request waits on a future of its own, woken one at a time as slots free up (FIFO, like asyncio.Semaphore).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from eagle3_datagen.config import ServerConfig
+from eagle3_datagen.protocol import OpenAIClient, RequestFailed
+
+ENDPOINT_FAILURES_BEFORE_BACKOFF = 3
+ENDPOINT_MAX_COOLDOWN_S = 30.0
+
+Log = logging.Logger | logging.LoggerAdapter[Any]
+
+
+@dataclass
+class Endpoint:
+    url: str
+    client: OpenAIClient
+    limit: int  # requests allowed in flight now (fixed, or moved by the adaptive budget)
+    in_flight: int = 0
+    peak_in_flight: int = 0  # the most in flight since the adaptive budget last looked
+    failures: int = 0  # in a row, while up
+    trips: int = 0
+    down_since: float | None = None
+    available_at: float = 0.0
+    trial_in_flight: bool = False
+    broken_answers: int = 0  # HTTP 500 or protocol-breaking answers in a row
+    dead: bool = False  # given up on: no more requests go to it
+
+
+class EndpointPool:
+    """Picks the endpoint with the most free slots and backs off failing ones.
+
+    A failing endpoint is marked down after three failures in a row and then gets one trial request per
+    cool-down (1, 2, 4… up to 30 s) until one succeeds: a server that is away or busy (refused connections,
+    timeouts, 429/502/503/504) is waited for, up to `give_up_after_s` without any success anywhere. A server
+    that answers, but with errors (HTTP 500, a response that breaks the protocol), is given up on after
+    `max_consecutive_errors` such answers in a row. The run gives up when no endpoint is left or the wait is over.
+    """
+
+    def __init__(self, endpoints: list[Endpoint], server: ServerConfig, log: Log) -> None:
+        self.endpoints = endpoints
+        self._server = server
+        self._log = log
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._timers: list[asyncio.TimerHandle] = []
+        self.last_success = time.monotonic()
+        self.last_error = ""
+        self.gave_up: str | None = None
+
+    def _take(self, now: float) -> tuple[Endpoint, bool] | None:
+        best, best_free = None, 0
+        for endpoint in self.endpoints:
+            if endpoint.dead:
+                continue
+            if endpoint.down_since is not None:
+                if now < endpoint.available_at or endpoint.trial_in_flight:
+                    continue
+                free = max(1, endpoint.limit - endpoint.in_flight)
+            else:
+                free = endpoint.limit - endpoint.in_flight
+            if free > best_free:
+                best, best_free = endpoint, free
+        if best is None:
+            return None
+        trial = best.down_since is not None
+        best.trial_in_flight |= trial
+        best.in_flight += 1
+        best.peak_in_flight = max(best.peak_in_flight, best.in_flight)
+        return best, trial
+
+    async def acquire(self) -> tuple[Endpoint, bool] | None:
+        """(endpoint, is a trial of a down endpoint) with a slot taken; None once the pool has given up."""
+        while self.gave_up is None:
+            slot = self._take(time.monotonic())
+            if slot is not None:
+                return slot
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self.wake(1)  # woken, then cancelled: hand the wake-up on
+                raise
+        return None
+
+    def wake(self, count: int | None = None) -> None:
+        """Let `count` waiting requests (all when None) look for a slot again."""
+        while self._waiters and (count is None or count > 0):
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                count = None if count is None else count - 1
+
+    def release(self, endpoint: Endpoint, trial: bool, error: RequestFailed | None) -> None:
+        """Return a slot; `error` is a server or transport failure (a refusal is a healthy answer)."""
+        endpoint.in_flight -= 1
+        endpoint.trial_in_flight &= not trial
+        now = time.monotonic()
+        changed = False
+        if error is None:
+            changed = self._succeeded(endpoint, trial, now)
+        else:
+            self._answered_broken(endpoint, error)
+            if not endpoint.dead and (endpoint.down_since is None or trial):
+                self._failed(endpoint, trial, error, now)
+        self.check(now)
+        self.wake(None if changed or self.gave_up is not None else 1)
+
+    def give_back(self, endpoint: Endpoint, trial: bool) -> None:
+        """Return the slot of a request that was cancelled: it says nothing about the endpoint."""
+        endpoint.in_flight -= 1
+        endpoint.trial_in_flight &= not trial
+        self.wake(1)
+
+    def _succeeded(self, endpoint: Endpoint, trial: bool, now: float) -> bool:
+        """A success; only a trial's brings a down endpoint back (one sent before it went down proves nothing)."""
+        self.last_success = now
+        if endpoint.down_since is not None and not trial:
+            return False
+        endpoint.failures = endpoint.trips = endpoint.broken_answers = 0
+        if endpoint.down_since is None:
+            return False
+        self._log.warning("endpoint %s recovered after %.0fs down", endpoint.url, now - endpoint.down_since)
+        endpoint.down_since = None
+        return True
+
+    def _answered_broken(self, endpoint: Endpoint, error: RequestFailed) -> None:
+        self.last_error = str(error)
+        endpoint.broken_answers += error.broken_answer
+        limit = self._server.max_consecutive_errors
+        if endpoint.broken_answers < limit or endpoint.dead:
+            return
+        endpoint.dead = True
+        if any(not e.dead for e in self.endpoints):
+            self._log.warning("endpoint %s answered %d requests in a row with an error (server.max_consecutive_errors"
+                              "): no more requests go to it; last: %s", endpoint.url, limit, error)
+
+    def _failed(self, endpoint: Endpoint, trial: bool, error: RequestFailed, now: float) -> None:
+        if not trial:
+            endpoint.failures += 1
+            if endpoint.failures < ENDPOINT_FAILURES_BEFORE_BACKOFF:
+                return
+            endpoint.down_since = now
+        cooldown = min(ENDPOINT_MAX_COOLDOWN_S, self._server.retry_backoff_s * 2**endpoint.trips)
+        endpoint.trips += 1
+        endpoint.failures = 0
+        endpoint.available_at = now + cooldown
+        if not trial:
+            self._log.warning("endpoint %s is down (%d failures in a row, last: %s): backing off, next try in %.1fs",
+                              endpoint.url, ENDPOINT_FAILURES_BEFORE_BACKOFF, error, cooldown)
+        self._timers.append(asyncio.get_running_loop().call_later(cooldown, self.wake))
+
+    def check(self, now: float) -> None:
+        """Give up (and wake every waiting request) when the servers are judged gone."""
+        if self.gave_up is not None:
+            return
+        limit = self._server.max_consecutive_errors
+        silent = now - self.last_success
+        alive = [e for e in self.endpoints if not e.dead]
+        if not alive:
+            self.gave_up = (f"every endpoint answered {limit} requests in a row with an error "
+                            f"(server.max_consecutive_errors {limit})")
+        elif all(e.down_since is not None for e in alive) and silent >= self._server.give_up_after_s:
+            self.gave_up = (f"no endpoint answered successfully for {silent:.0f}s "
+                            f"(server.give_up_after_s {self._server.give_up_after_s:.0f})")
+        else:
+            return
+        self.gave_up += f"; last error: {self.last_error}"
+        self.wake()
+
+    def close(self) -> None:
+        for timer in self._timers:
+            timer.cancel()

@@ -1,0 +1,356 @@
+"""Chat completions for every prompt of a run, with one in-flight budget per endpoint shared by all shards.
+
+Shards are the unit of storage and re-runs, not of concurrency: a request starts the moment any slot frees up,
+whatever shard it belongs to. One dispatcher takes a slot, then a prompt, and starts its request; nothing else
+waits on a slot but retries. Failure is bounded: an endpoint that keeps failing is backed off (one warning when
+it goes down, one when it recovers), and the run gives up, keeping what it finished, once no endpoint is left or
+none has succeeded for `server.give_up_after_s`. Stage verdicts are UserErrors, never retried by Prefect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any
+
+from eagle3_datagen.artifacts import MANIFEST, ShardRef
+from eagle3_datagen.config import ServerConfig, ValidationConfig
+from eagle3_datagen.protocol import OpenAIClient, RequestFailed, api_key, build_chat_request
+from eagle3_datagen.storage import RunStore
+from tasks.generation.budget import AUTO_CAP, AUTO_START, follow_load
+from tasks.generation.pool import Endpoint, EndpointPool, Log
+from tasks.generation.probation import Outcome, Probation
+from tasks.generation.records import (
+    SETTINGS_FILE,
+    GenerationError,
+    GenerationSettings,
+    Prompt,
+    ShardState,
+    check_settings,
+    finalize_shard,
+    finished_shard,
+    new_records,
+    partial_log_path,
+    read_partial_log,
+    record_settings,
+)
+
+STALL_TICK_S = 0.01
+
+
+def budget_limit_name(endpoint: str) -> str:
+    return "eagle3:" + endpoint.removeprefix("http://").removeprefix("https://")
+
+
+async def shared_budget(server: ServerConfig) -> Callable[[str], AbstractAsyncContextManager[Any]]:
+    """One Prefect global concurrency limit per endpoint, so concurrent runs share its in-flight budget."""
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency.asyncio import concurrency
+    from prefect.exceptions import ObjectAlreadyExists
+
+    async with get_client() as client:
+        for url in server.endpoints:
+            name = budget_limit_name(url)
+            try:
+                await client.upsert_global_concurrency_limit_by_name(name, int(server.max_in_flight))
+            except ObjectAlreadyExists:  # another run created it between the look-up and the create
+                await client.upsert_global_concurrency_limit_by_name(name, int(server.max_in_flight))
+    return lambda url: concurrency(budget_limit_name(url), occupy=1, strict=True)
+
+
+def _no_shared_budget(url: str) -> AbstractAsyncContextManager[None]:
+    return contextlib.nullcontext()
+
+
+@dataclass
+class _Counts:
+    accepted: int = 0  # prompts answered (their records kept)
+    rejected: int = 0  # prompts the server refused, each with its reason
+    failed: int = 0  # prompts that failed every try
+    retries: int = 0
+    tokens: int = 0
+
+
+class GenerationScheduler:
+    """Generates every unfinished prompt of a run through one shared endpoint pool.
+
+    `plan` reads the prompt shards and resumes from finished shards and partial logs; `run` sends the rest and
+    returns the generation ShardRefs in shard order, or raises a UserError that says what to do next.
+    """
+
+    def __init__(self, store: RunStore, settings: GenerationSettings, server: ServerConfig,
+                 validation: ValidationConfig, log: Log, progress_every_s: float = 5.0,
+                 on_progress: Callable[[float], None] | None = None) -> None:
+        self.store = store
+        self.settings = settings
+        self.server = server
+        self.validation = validation
+        self.log = log
+        self.progress_every_s = progress_every_s
+        self.on_progress = on_progress
+        self.finished: dict[int, ShardRef] = {}
+        self.states: dict[int, ShardState] = {}
+        self.queue: deque[Prompt] = deque()
+        self.counts = _Counts()
+        self.total = 0
+        self.longest_stall_s = 0.0
+        self._window: list[Prompt] = []
+        self._requests: set[asyncio.Task[None]] = set()
+        self._writes: dict[int, asyncio.Future[ShardRef]] = {}
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="generation-writer")
+        self._swept = False  # shards completed inside the window were finalized once it passed
+        self._kept_before = False  # the run already held records when this attempt started
+        self._run_budget: Callable[[str], AbstractAsyncContextManager[Any]] = _no_shared_budget
+
+    def plan(self, prompt_shards: list[ShardRef]) -> None:
+        check_settings(self.store, self.settings)
+        seed_base = self.settings.generation.seed
+        for ref in prompt_shards:
+            prompts = self.store.read_shard_records(ref)
+            previous = finished_shard(self.store, ref.index, prompts)
+            if previous is not None and len(previous[1]) == len(prompts):
+                self.finished[ref.index] = previous[0]
+                continue
+            state = ShardState(ref, len(prompts), partial_log_path(self.store, ref.index))
+            state.entries = {**(previous[1] if previous else {}), **read_partial_log(state.log_path)}
+            self.states[ref.index] = state
+            for position, prompt in enumerate(prompts):
+                if position not in state.entries:
+                    seed = None if seed_base is None else seed_base + prompt["row"]
+                    self.queue.append(Prompt(ref.index, position, prompt["id"], prompt["messages"], seed))
+        self._kept_before = bool(self.finished) or any(state.entries for state in self.states.values())
+        for index in [i for i, state in self.states.items() if state.complete]:
+            self.finished[index] = finalize_shard(self.store, self.states.pop(index))
+
+    async def run(self, prompt_shards: list[ShardRef]) -> list[ShardRef]:
+        self.plan(prompt_shards)
+        self.total = len(self.queue)
+        if self.total == 0:
+            return [self.finished[r.index] for r in prompt_shards]
+        if self.server.share_budget_across_runs:
+            self._run_budget = await shared_budget(self.server)
+        gc.freeze()  # what start-up built lives for the whole run: keep full collections from walking it
+        auto = self.server.max_in_flight == "auto"
+        limit = AUTO_START if auto else int(self.server.max_in_flight)
+        key = api_key(self.server)
+        clients = [OpenAIClient(url, key, self.server.request_timeout_s, AUTO_CAP if auto else limit)
+                   for url in self.server.endpoints]
+        self.pool = EndpointPool([Endpoint(c.base_url, c, limit) for c in clients], self.server, self.log)
+        self.probation = Probation(min(self.validation.early_abort_after, self.total), self.server.endpoints,
+                                   self.settings.model, self.settings.profile, self.validation)
+        self.started_at = time.monotonic()
+        helpers = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_stalls())]
+        if auto:
+            helpers += [asyncio.create_task(follow_load(self.pool, e, self.log)) for e in self.pool.endpoints]
+        try:
+            await self._dispatch()
+        finally:
+            for pending in [*self._requests, *helpers]:
+                pending.cancel()
+            await asyncio.gather(*self._requests, *helpers, return_exceptions=True)
+            self.pool.close()
+            for index, write in self._writes.items():
+                self.finished[index] = await write
+            self._writer.shutdown()
+            for state in self.states.values():
+                state.close()
+            await asyncio.gather(*(c.aclose() for c in clients))
+            self._record_findings()
+            gc.unfreeze()
+        self._raise_if_short()
+        self.log.info("generation done: %d prompts, %d retries, %.1fs, longest event-loop stall %.0f ms", self.total,
+                      self.counts.retries, time.monotonic() - self.started_at, self.longest_stall_s * 1e3)
+        return [self.finished[r.index] for r in prompt_shards]
+
+    async def _dispatch(self) -> None:
+        """Take an admission and a slot, then the next prompt, and start its request; then wait for the last."""
+        while self.queue:
+            admission = await self.probation.admit()
+            if admission == "aborted":
+                break
+            slot = await self.pool.acquire()
+            if slot is None:
+                self.probation.abandon()
+                break
+            if self.probation.error is not None:  # judged while this slot was awaited
+                self.pool.give_back(*slot)
+                break
+            prompt = self.queue.popleft()
+            if admission == "window":
+                self._window.append(prompt)
+            request = asyncio.create_task(self._request(prompt, slot))
+            self._requests.add(request)
+            request.add_done_callback(self._requests.discard)
+        while self._requests:
+            await asyncio.wait(set(self._requests))
+
+    async def _request(self, prompt: Prompt, slot: tuple[Endpoint, bool]) -> None:
+        outcome = await self._send(prompt, slot)
+        if outcome.abandoned:
+            self.probation.abandon()
+            return
+        keep = self.probation.observe(outcome)
+        state = self.states[prompt.shard]
+        if outcome.completions and keep:
+            state.append({"position": prompt.position, "records": new_records(prompt, outcome.completions)})
+            self.counts.accepted += 1
+            self.counts.tokens += int(outcome.completions[0].usage.get("completion_tokens") or 0)
+        elif outcome.refusal is not None:
+            state.append({"position": prompt.position, "rejected": {
+                "id": prompt.record_id, "stage": "generations", "reason": outcome.refusal}})
+            self.counts.rejected += 1
+        elif not outcome.completions:
+            self.counts.failed += 1
+        if self.probation.error is not None:
+            self._stop_requests()
+        elif self.probation.passed:
+            self._after_pass(prompt)
+
+    def _stop_requests(self) -> None:
+        """The run is stopped: cancel what is in flight (a closed connection makes vLLM drop the request)."""
+        current = asyncio.current_task()
+        for request in self._requests:
+            if request is not current:
+                request.cancel()
+
+    def _after_pass(self, prompt: Prompt) -> None:
+        """Finalize shards as they complete; the first time, also those completed inside the window."""
+        if not self._swept:
+            self._swept = True
+            record_settings(self.store, self.settings)
+            for index in [i for i, state in self.states.items() if state.complete]:
+                self._finalize(index)
+        elif prompt.shard in self.states and self.states[prompt.shard].complete:
+            self._finalize(prompt.shard)
+
+    def _finalize(self, index: int) -> None:
+        """Write a finished shard from a thread: the event loop goes on sending while it is written."""
+        state = self.states.pop(index)
+        self._writes[index] = asyncio.get_running_loop().run_in_executor(
+            self._writer, finalize_shard, self.store, state)
+
+    async def _send(self, prompt: Prompt, slot: tuple[Endpoint, bool] | None) -> Outcome:
+        settings = self.settings
+        body = build_chat_request(settings.model, prompt.messages, settings.profile, settings.generation,
+                                  seed=prompt.seed)
+        for attempt in range(self.server.max_retries + 1):
+            if slot is None:
+                slot = await self.pool.acquire()
+                if slot is None:
+                    return Outcome(abandoned=True)
+            endpoint, trial = slot
+            try:
+                async with self._run_budget(endpoint.url):
+                    completions = await endpoint.client.chat(body, settings.profile)
+            except RequestFailed as error:
+                self.pool.release(endpoint, trial, error if error.retryable else None)
+                if not error.retryable:
+                    return Outcome(endpoint.url, refusal=str(error))
+                if attempt == self.server.max_retries:
+                    self.log.debug("record %s not generated after %d tries: %s", prompt.record_id, attempt + 1, error)
+                    return Outcome(endpoint.url)
+                self.counts.retries += 1
+                slot = None
+                await asyncio.sleep(self.server.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5))
+                continue
+            except BaseException:  # cancelled: the slot goes back without a verdict on the endpoint
+                self.pool.give_back(endpoint, trial)
+                raise
+            self.pool.release(endpoint, trial, None)
+            return Outcome(endpoint.url, completions=completions)
+        raise AssertionError("unreachable")
+
+    def _remaining(self) -> int:
+        return self.total - self.counts.accepted - self.counts.rejected - self.counts.failed
+
+    async def _watch_stalls(self) -> None:
+        """The longest time the event loop could not run: what every request in flight waited for nothing."""
+        loop = asyncio.get_running_loop()
+        before = loop.time()
+        while True:
+            await asyncio.sleep(STALL_TICK_S)
+            now = loop.time()
+            self.longest_stall_s = max(self.longest_stall_s, now - before - STALL_TICK_S)
+            before = now
+
+    async def _report(self) -> None:
+        """Every `progress_every_s`: counts, rates and in flight; an ETA only while requests complete."""
+        done_before = 0
+        while True:
+            await asyncio.sleep(self.progress_every_s)
+            self.pool.check(time.monotonic())
+            counts, elapsed = self.counts, time.monotonic() - self.started_at
+            done = self.total - self._remaining()
+            recent = (done - done_before) / self.progress_every_s
+            done_before = done
+            eta = f"ETA {self._remaining() / recent:.0f}s" if recent else "ETA unknown (no request completed lately)"
+            flights = " ".join(f"{e.url}={e.in_flight}/{e.limit}" for e in self.pool.endpoints)
+            self.log.info("generation: %d accepted, %d rejected, %d failed, %d remaining  %.1f req/s  %.0f tok/s  "
+                          "in flight %s  %s", counts.accepted, counts.rejected, counts.failed, self._remaining(),
+                          done / elapsed, counts.tokens / elapsed, flights, eta)
+            if self.on_progress is not None:
+                self.on_progress(100.0 * done / self.total)
+
+    def _record_findings(self) -> None:
+        """Add what each endpoint's first answers showed to the manifest's probe entries."""
+        findings = self.probation.findings
+        if not findings or not self.store.exists(MANIFEST):
+            return
+        manifest = self.store.read_json(MANIFEST)
+        for entry in manifest.get("probe", []):
+            entry.update(findings.get(entry["endpoint"], {}))
+        self.store.write_json(MANIFEST, manifest)
+
+    def _raise_if_short(self) -> None:
+        """Turn an unfinished generation into one error that says what was kept and what to do."""
+        if self.probation.error is not None:
+            if not self.probation.passed:
+                self._discard_window()
+            raise self.probation.error
+        kept = sum(ref.num_records for ref in self.finished.values()) + sum(
+            len(state.entries) for state in self.states.values())
+        if self.pool.gave_up is not None:
+            raise GenerationError(
+                f"gave up: {self.pool.gave_up}. {kept} finished records are kept: fix the servers, then run "
+                "again to resume"
+            )
+        unfinished = sorted(self.states)
+        if unfinished:
+            raise GenerationError(
+                f"{self.counts.failed} records could not be generated (servers unreachable or failing) in shards "
+                f"{unfinished}; finished records are kept: run again to resume"
+            )
+
+    def _discard_window(self) -> None:
+        """Void what the aborted window produced, so a run after the fix asks those prompts again."""
+        for prompt in self._window:
+            state = self.states.get(prompt.shard)
+            if state is not None and prompt.position in state.entries:
+                state.append({"position": prompt.position, "discard": "early abort window"})
+        for state in self.states.values():
+            state.close()
+        if not self._kept_before:
+            self.store.remove(SETTINGS_FILE)
+
+
+async def generate_async(
+    store: RunStore,
+    prompt_shards: list[ShardRef],
+    settings: GenerationSettings,
+    server: ServerConfig,
+    validation: ValidationConfig,
+    log: Log,
+    progress_every_s: float = 5.0,
+    on_progress: Callable[[float], None] | None = None,
+) -> list[ShardRef]:
+    """Generate every unfinished shard; returns the generation ShardRefs in shard order."""
+    scheduler = GenerationScheduler(store, settings, server, validation, log, progress_every_s, on_progress)
+    return await scheduler.run(prompt_shards)
