@@ -84,6 +84,8 @@ class Script:
     tokenizer: Any = None  # a HF tokenizer: token ids become real encodings of the prompt and the completion
     max_model_len: int | None = None  # a longer prompt + max_tokens is refused with HTTP 400, as vLLM does
     report_max_model_len: bool = True  # in /v1/models (servers other than vLLM may not)
+    max_running: int | None = None  # like vLLM's max_num_seqs: more requests wait in a queue before they run
+    serve_metrics: bool = True  # vLLM's load gauges at /metrics (running, waiting, KV-cache usage)
 
 
 def scripted_latency(script: Script, index: int) -> float:
@@ -107,6 +109,7 @@ class Log:
     requests: int = 0
     faults: int = 0
     in_flight: int = 0
+    running: int = 0  # in flight and past the queue (all of them unless Script.max_running is set)
     max_in_flight: int = 0
     bodies: list[dict[str, Any]] | None = field(default_factory=list)
     authorizations: list[str] = field(default_factory=list)  # the Authorization header of each kept body
@@ -179,6 +182,7 @@ class ScriptedServer:
         self.script = script or Script()
         self.log = Log() if keep_log else Log(bodies=None, in_flight_samples=None)
         self._lock = threading.Lock()
+        self._run_slots: asyncio.Semaphore | None = None  # created in the server's own event loop
         self._random = random.Random(self.script.seed)
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -186,6 +190,7 @@ class ScriptedServer:
             Route("/health", self._health),
             Route("/v1/models", self._models),
             Route("/stats", self._stats),
+            Route("/metrics", self._metrics),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
         ])
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="off")
@@ -220,6 +225,18 @@ class ScriptedServer:
         with self._lock:
             return JSONResponse({**self.log.stats(), "process_cpu_s": time.process_time()})
 
+    async def _metrics(self, request: Request) -> Response:
+        """vLLM's load gauges. The KV cache is half full when max_running requests run: the request limit binds
+        first, as with short requests on a large cache."""
+        if not self.script.serve_metrics:
+            return Response(status_code=404)
+        with self._lock:
+            running, waiting = self.log.running, self.log.in_flight - self.log.running
+        usage = 0.5 * running / self.script.max_running if self.script.max_running else 0.0
+        labels = f'{{engine="0",model_name="{self.script.model}"}}'
+        return Response(f"vllm:num_requests_running{labels} {running:.1f}\nvllm:num_requests_waiting{labels} "
+                        f"{waiting:.1f}\nvllm:kv_cache_usage_perc{labels} {usage:.4f}\n", media_type="text/plain")
+
     def _next_fault(self) -> str:
         if self.script.faults:
             return self.script.faults.pop(0)
@@ -242,7 +259,18 @@ class ScriptedServer:
             self.log.scripted_latency_s += latency if fault != "slow" else 0.0
             self.log.change(time.monotonic(), +1)
         try:
-            await asyncio.sleep(self.script.slow_s if fault == "slow" else latency)
+            if self.script.max_running:
+                self._run_slots = self._run_slots or asyncio.Semaphore(self.script.max_running)
+                await self._run_slots.acquire()
+            with self._lock:
+                self.log.running += 1
+            try:
+                await asyncio.sleep(self.script.slow_s if fault == "slow" else latency)
+            finally:
+                with self._lock:
+                    self.log.running -= 1
+                if self._run_slots is not None:
+                    self._run_slots.release()
             if fault.startswith("http-"):
                 status = int(fault.removeprefix("http-"))
                 return JSONResponse({"error": {"message": f"scripted failure {status}", "code": status}},
@@ -340,9 +368,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tail-rate", type=float, default=0.0, help="fraction of requests in the heavy tail")
     parser.add_argument("--tail-factor", type=float, default=50.0, help="tail latency ÷ median")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-running", type=int, default=None, help="requests run at once; more wait in a queue")
+    parser.add_argument("--model", default=Script.model, help="the served model name")
     args = parser.parse_args(argv)
     script = Script(latency_s=args.latency_s, latency_sigma=args.latency_sigma, tail_rate=args.tail_rate,
-                    tail_factor=args.tail_factor, seed=args.seed)
+                    tail_factor=args.tail_factor, seed=args.seed, max_running=args.max_running, model=args.model)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

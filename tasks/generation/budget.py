@@ -2,8 +2,9 @@
 
 The budget grows while nothing waits in the server's queue and its KV cache has room, and shrinks to what the
 server runs (plus a small queue, so a finished request is replaced without a round trip) when requests queue or
-the cache is full. A fixed budget is either too small for a big server or a long queue on a small one; this
-one keeps every endpoint just saturated whatever its size.
+the cache is full. As in TCP, it grows by a quarter until the server first pushes back, then by a sixteenth, so
+it stays near the server's limit instead of swinging around it. A fixed budget is either too small for a big
+server or a long queue on a small one; this one keeps every endpoint just saturated whatever its size.
 """
 
 from __future__ import annotations
@@ -19,26 +20,29 @@ FOLLOW_EVERY_S = 0.5
 KV_CACHE_FULL = 0.95  # share of the KV cache in use past which the server preempts
 KV_CACHE_ROOM = 0.85  # below this share there is room for more requests
 
-def next_limit(limit: int, peak_in_flight: int, load: ServerLoad) -> int:
-    """The next budget of an endpoint, from its current one, the most it had in flight lately, and its load."""
+def next_limit(limit: int, peak_in_flight: int, load: ServerLoad, pushed_back: bool = False) -> int:
+    """The next budget of an endpoint, from its current one, the most it had in flight lately, its load, and
+    whether it ever pushed back (requests queued or a full cache) during this run."""
     queue = max(2, limit // 16)
     cache = load.kv_cache_usage
     if load.waiting > queue or (cache is not None and cache >= KV_CACHE_FULL):
         return max(1, min(limit, int(load.running) + queue))
     if load.waiting == 0 and (cache is None or cache < KV_CACHE_ROOM) and peak_in_flight >= limit:
-        return min(AUTO_CAP, limit + max(1, limit // 4))
+        return min(AUTO_CAP, limit + max(1, limit // (16 if pushed_back else 4)))
     return limit
 
 
 async def follow_load(pool: EndpointPool, endpoint: Endpoint, log: Log, every_s: float = FOLLOW_EVERY_S) -> None:
     """Move one endpoint's budget with its load until cancelled; a failed reading leaves the budget as it is."""
+    pushed_back = False
     while True:
         await asyncio.sleep(every_s)
         peak, endpoint.peak_in_flight = endpoint.peak_in_flight, endpoint.in_flight
         load = await endpoint.client.load()
         if load is None:
             continue
-        limit = next_limit(endpoint.limit, peak, load)
+        limit = next_limit(endpoint.limit, peak, load, pushed_back)
+        pushed_back |= limit < endpoint.limit
         if limit != endpoint.limit:
             log.debug("budget of %s: %d -> %d (running %.0f, waiting %.0f, KV cache %s)", endpoint.url,
                       endpoint.limit, limit, load.running, load.waiting, load.kv_cache_usage)

@@ -51,6 +51,8 @@ class EmptyReasoningTest:
     evidence: float = 0.0  # log-likelihood ratio, broken over healthy
 
     def add(self, empty: bool) -> None:
+        if self.broken <= self.healthy:
+            return
         if empty:
             self.evidence += math.inf if self.healthy == 0 else math.log(self.broken / self.healthy)
         else:

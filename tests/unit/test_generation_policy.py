@@ -1,0 +1,115 @@
+"""The decisions generation takes on its own: when the early-abort window lets a run go, and how `auto` moves a
+budget with the server's load. Pure functions and small classes, no server."""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle3_datagen.config import ServerConfig, ValidationConfig, parse_config
+from eagle3_datagen.errors import ConfigurationError
+from eagle3_datagen.profiles import BUILTIN_PROFILES
+from eagle3_datagen.protocol import Completion, ServerLoad, parse_metrics
+from tasks.generation.budget import next_limit
+from tasks.generation.probation import EmptyReasoningTest, Outcome, Probation
+
+ENDPOINT = "http://127.0.0.1:8000"
+
+
+def answer(reasoning: str) -> Outcome:
+    done = Completion(reasoning, "42", "stop", "reasoning", [1, 2], [3, 4], {}, "m")
+    return Outcome(ENDPOINT, completions=[done])
+
+
+def judge(outcomes: list[Outcome], size: int = 32, **validation: object) -> tuple[Probation, int]:
+    """Feed answers until the verdict; returns the probation and how many answers it took."""
+    probation = Probation(size, [ENDPOINT], "m", BUILTIN_PROFILES["qwen3"], ValidationConfig(**validation))
+    for seen, outcome in enumerate(outcomes, 1):
+        probation.observe(outcome)
+        if probation.passed or probation.error:
+            return probation, seen
+    return probation, len(outcomes)
+
+
+def test_a_healthy_run_is_let_go_after_its_first_eight_answers_of_a_window_of_32() -> None:
+    probation, seen = judge([answer("thinking…")] * 32)
+    assert probation.passed and seen == 8
+
+
+def test_a_run_without_reasoning_is_stopped_at_its_third_answer() -> None:
+    probation, seen = judge([answer("")] * 32)
+    assert seen == 3 and probation.error is not None
+    assert str(probation.error).startswith("early abort: 3 of the first 3 records have empty reasoning")
+
+
+def test_one_empty_answer_among_good_ones_delays_the_verdict_but_does_not_stop_the_run() -> None:
+    probation, seen = judge([answer("")] + [answer("thinking…")] * 31)
+    assert probation.passed and 8 < seen < 32
+
+
+def test_a_run_with_half_its_answers_empty_is_never_let_go() -> None:
+    probation, _ = judge([answer(""), answer("thinking…")] * 16)
+    assert not probation.passed and probation.error is not None
+
+
+def test_a_window_smaller_than_the_test_needs_is_judged_on_its_rates() -> None:
+    assert judge([answer("thinking…")] * 4, size=4)[0].passed
+    probation, seen = judge([answer("thinking…")] * 3 + [answer("")], size=4)
+    assert seen == 4 and "1 of the first 4 records have empty reasoning (25% > " in str(probation.error)
+
+
+def test_a_malformed_first_answer_stops_the_run_and_is_not_kept() -> None:
+    inline = Completion("r", "a", "stop", "inline", [1], [2], {}, "m")
+    probation = Probation(32, [ENDPOINT], "m", BUILTIN_PROFILES["qwen3"], ValidationConfig())
+    assert probation.observe(Outcome(ENDPOINT, completions=[inline])) is False
+    assert "--reasoning-parser qwen3" in str(probation.error)
+
+
+@pytest.mark.parametrize("healthy", [0.0, 0.05, 0.2, 0.5, 1.0])
+def test_the_sequential_test_only_stops_runs_emptier_than_allowed(healthy: float) -> None:
+    """Whatever the allowed rate, the test stops a run only once its empty share is above that rate."""
+    test = EmptyReasoningTest(healthy, max(0.5, min(0.99, 2 * healthy)))
+    empty = answers = 0
+    for k in range(200):
+        is_empty = k % 3 != 2  # two thirds empty
+        test.add(is_empty)
+        empty, answers = empty + is_empty, answers + 1
+        if test.verdict == "abort":
+            assert empty / answers > healthy
+            break
+
+
+def test_the_budget_grows_only_while_it_is_used_and_the_server_has_room() -> None:
+    idle = ServerLoad(running=10, waiting=0, kv_cache_usage=0.3)
+    assert next_limit(16, peak_in_flight=16, load=idle) == 20
+    assert next_limit(16, peak_in_flight=9, load=idle) == 16, "a budget not used is not grown"
+    assert next_limit(16, peak_in_flight=16, load=ServerLoad(16, 0, 0.9)) == 16, "the cache is nearly full"
+    assert next_limit(64, peak_in_flight=64, load=idle, pushed_back=True) == 68, "slowly once the server pushed back"
+
+
+def test_the_budget_shrinks_to_what_runs_plus_a_short_queue_when_requests_wait() -> None:
+    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=40, waiting=24, kv_cache_usage=0.5)) == 44
+    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=50, waiting=0, kv_cache_usage=0.97)) == 54
+    assert next_limit(8, peak_in_flight=8, load=ServerLoad(running=0, waiting=30, kv_cache_usage=None)) == 2
+
+
+def test_vllm_metrics_are_summed_over_engines_and_histograms_ignored() -> None:
+    text = "\n".join([
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_running{engine="1",model_name="m"} 4.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 0.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        'vllm:request_queue_time_seconds_bucket{engine="0",le="0.3",model_name="m"} 17.0',
+    ])
+    assert parse_metrics(text) == ServerLoad(running=7.0, waiting=1.0, kv_cache_usage=0.25)
+    assert parse_metrics("# no vLLM here\nprocess_cpu_seconds_total 1.0") is None
+
+
+def test_auto_budget_cannot_be_shared_across_runs() -> None:
+    assert ServerConfig(max_in_flight="auto").max_in_flight == "auto"
+    with pytest.raises(ConfigurationError, match="share_budget_across_runs needs a number"):
+        parse_config({"run_name": "r", "data": {"source": "d.jsonl"},
+                      "model": {"name": "m", "profile": "qwen3", "tokenizer": "t"},
+                      "server": {"max_in_flight": "auto", "share_budget_across_runs": True}})
