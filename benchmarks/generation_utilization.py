@@ -21,20 +21,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import glob
 import heapq
+import json
 import logging
+import os
 import pstats
+import re
 import resource
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
@@ -63,7 +70,8 @@ class Servers:
                     [sys.executable, "-m", "eagle3_datagen.testing.scripted_server", "--port", "0",
                      "--latency-s", repr(script.latency_s), "--latency-sigma", repr(script.latency_sigma),
                      "--tail-rate", repr(script.tail_rate), "--tail-factor", repr(script.tail_factor),
-                     "--seed", str(script.seed)],
+                     "--seed", str(script.seed), "--model", script.model,
+                     *(["--max-running", str(script.max_running)] if script.max_running else [])],
                     stdout=subprocess.PIPE, text=True))
             for proc in self.procs:
                 assert proc.stdout is not None
@@ -275,6 +283,79 @@ def profile_phase(args: argparse.Namespace, tmp: str) -> None:
     pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(15)
 
 
+CLI_BUDGET = 64
+CLI_STATS = re.compile(r"longest event-loop stall (\d+) ms, client CPU ([\d.]+) ms/request")
+
+
+@dataclass
+class CliRun:
+    utilization: float  # mean in flight ÷ budget, first request -> last request, from the server's own log
+    first_request_s: float  # from starting the command to the server seeing its first request
+    stall_ms: float
+    cpu_ms: float  # client CPU per request while generating (the whole process: every thread)
+    noise: int  # ERROR lines and tracebacks the command printed
+    status: int
+
+
+def write_dataset(path: str, requests: int) -> None:
+    with open(path, "w", encoding="utf-8") as out:
+        for row in range(requests):
+            out.write(json.dumps({"messages": [{"role": "user", "content": f"question {row}"}]}) + "\n")
+
+
+def cli_run(args: argparse.Namespace, median_s: float, seed: int, dataset: str, tmp: str) -> CliRun:
+    """`eagle3-datagen run` as a user starts it, in local mode, against one scripted server."""
+    name = f"cli-{median_s:g}-{seed}"
+    config = {
+        "run_name": name, "output_uri": f"{tmp}/runs",
+        "data": {"source": dataset, "shard_size": args.shard_size},
+        "model": {"name": "scripted-model", "profile": "qwen3", "tokenizer": args.tokenizer},
+        "server": {"endpoints": [], "max_in_flight": CLI_BUDGET, "startup_timeout_s": 30},
+        "generation": {"max_tokens": 64},
+        "hidden_states": {"backend": "none"},
+    }
+    script = Script(latency_s=median_s, latency_sigma=args.cli_sigma, seed=seed)
+    with Servers([script]) as servers:
+        config["server"]["endpoints"] = servers.urls  # type: ignore[index]
+        path = f"{tmp}/{name}.yaml"
+        with open(path, "w", encoding="utf-8") as out:
+            yaml.safe_dump(config, out)
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "cli.main", "run", "--config", path], env=env,
+                              capture_output=True, text=True, timeout=args.max_run_s)
+        [stats] = servers.stats()
+    printed = done.stdout + done.stderr
+    logs = sorted(glob.glob(f"{tmp}/runs/{name}/logs/run-*.log"))
+    found = CLI_STATS.search(Path(logs[-1]).read_text(encoding="utf-8")) if logs else None
+    if done.returncode != 0 or found is None:
+        print(f"  run {name} exited {done.returncode}: {printed.strip().splitlines()[-1:]}")
+    return CliRun(stats["mean_in_flight_to_last_request"] / CLI_BUDGET, stats["first_request_at"] - started,
+                  float(found.group(1)) if found else float("nan"), float(found.group(2)) if found else float("nan"),
+                  sum(("ERROR" in line) + ("Traceback" in line) for line in printed.splitlines()), done.returncode)
+
+
+def cli_phase(args: argparse.Namespace, tmp: str) -> None:
+    """The whole command, end to end, `--cli-runs` times per latency setting; every figure from one run each."""
+    dataset = f"{tmp}/prompts.jsonl"
+    write_dataset(dataset, args.cli_requests)
+    print(f"\n[cli] `eagle3-datagen run`, {args.cli_requests} prompts, budget {CLI_BUDGET}, log-normal sigma "
+          f"{args.cli_sigma}, local mode; utilization = mean in flight ÷ budget from the server's first to its last "
+          "request, read from its own log (every request the command sent counts)")
+    print(f"  {'median':>7} {'utilization min / median':>25} {'first request s':>22} {'stall ms':>9} "
+          f"{'CPU ms/req':>10} {'ERROR+tb':>8}")
+    for median_s in args.cli_medians:
+        runs = [cli_run(args, median_s, seed, dataset, tmp) for seed in range(args.cli_runs)]
+        util = sorted(r.utilization for r in runs)
+        first = sorted(r.first_request_s for r in runs)
+        print(f"  {median_s * 1e3:5.0f}ms {util[0]:12.3f} / {statistics.median(util):.3f}      "
+              f"{first[0]:6.1f} / {statistics.median(first):.1f} / {first[-1]:.1f}  "
+              f"{max(r.stall_ms for r in runs):8.0f} {statistics.median(r.cpu_ms for r in runs):10.2f} "
+              f"{sum(r.noise for r in runs):8d}   exit {[r.status for r in runs]}")
+    print("  targets: utilization >= 0.97 (50 ms) and >= 0.995 (500 ms) in every run; first request <= 10 s; "
+          "stall <= 50 ms; CPU <= 0.5 ms/request; no ERROR line or traceback")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20000)
@@ -288,7 +369,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="endpoint e draws its latencies from seed + e")
     parser.add_argument("--per-shard-shards", type=int, default=2, help="shards run in the per-shard phase (0: all)")
     parser.add_argument("--cpu-requests", type=int, default=2000, help="requests of the zero-latency phase")
-    parser.add_argument("--phases", default="shared,per-shard,cpu", help="comma-separated subset to run")
+    parser.add_argument("--phases", default="cli,cpu", help="comma-separated subset of cli, shared, per-shard, cpu")
+    parser.add_argument("--cli-requests", type=int, default=3000, help="prompts of each end-to-end run")
+    parser.add_argument("--cli-medians", type=float, nargs="+", default=[0.05, 0.5], help="median latencies (s)")
+    parser.add_argument("--cli-sigma", type=float, default=0.8, help="log-normal sigma of the end-to-end runs")
+    parser.add_argument("--cli-runs", type=int, default=3, help="end-to-end runs per median latency")
+    parser.add_argument("--tokenizer", default=os.environ.get("EAGLE3_TINY_MODEL", "build/tiny-model"),
+                        help="tokenizer of the end-to-end runs (the tiny model's)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="then N zero-latency requests under cProfile: the client's hottest functions")
     parser.add_argument("--max-run-s", type=float, default=900.0, help="abort a phase that runs longer")
@@ -311,6 +398,8 @@ def main() -> None:
           "it);\n  ideal client = zero-overhead simulation of the same policy on the same latencies (the bound "
           "plus the\n  unavoidable drain: the slowest requests still running once nothing is left to send)")
     with tempfile.TemporaryDirectory() as tmp:
+        if "cli" in phases:
+            cli_phase(args, tmp)
         shared_s = shared_phase(args, scripts, draws, tmp) if "shared" in phases else None
         if "per-shard" in phases:
             per_shard_s = per_shard_phase(args, scripts, draws, sizes, tmp)

@@ -146,7 +146,7 @@ class GenerationScheduler:
         self.pool = EndpointPool([Endpoint(c.base_url, c, limit) for c in clients], self.server, self.log)
         self.probation = Probation(min(self.validation.early_abort_after, self.total), self.server.endpoints,
                                    self.settings.model, self.settings.profile, self.validation)
-        self.started_at = time.monotonic()
+        self.started_at, cpu_at_start = time.monotonic(), time.process_time()
         helpers = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_stalls())]
         if auto:
             helpers += [asyncio.create_task(follow_load(self.pool, e, self.log)) for e in self.pool.endpoints]
@@ -165,9 +165,11 @@ class GenerationScheduler:
             await asyncio.gather(*(c.aclose() for c in clients))
             self._record_findings()
             gc.unfreeze()
+        cpu_per_request = (time.process_time() - cpu_at_start) / self.total
         self._raise_if_short()
-        self.log.info("generation done: %d prompts, %d retries, %.1fs, longest event-loop stall %.0f ms", self.total,
-                      self.counts.retries, time.monotonic() - self.started_at, self.longest_stall_s * 1e3)
+        self.log.info("generation done: %d prompts, %d retries, %.1fs; longest event-loop stall %.0f ms, client CPU "
+                      "%.2f ms/request", self.total, self.counts.retries, time.monotonic() - self.started_at,
+                      self.longest_stall_s * 1e3, cpu_per_request * 1e3)
         return [self.finished[r.index] for r in prompt_shards]
 
     async def _dispatch(self) -> None:
