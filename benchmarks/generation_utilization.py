@@ -1,19 +1,18 @@
-"""Does the generation stage keep its in-flight budget full? The real `generate_async` against scripted servers.
+"""Does generation keep its in-flight budget full, from the command's start to its last request?
 
-Each endpoint is a scripted OpenAI-protocol server in its own process (so the client's CPU time is the client's
-alone) whose latencies are log-normal around a median with a heavy tail (a fraction take 50× the median), drawn
-per request from a seed: the benchmark recomputes the exact latencies the servers slept for, hence the ideal run
-time. Three phases, each on fresh servers (so each sees the same latencies):
+Scripted OpenAI-protocol servers, each in its own process, keep their own log of requests in flight (so every
+request the client sends counts, probes too) and report it at /stats. Phases (see benchmarks/README.md):
 
-  shared     every shard at once, one budget per endpoint shared by all shards (what the stage does);
-  per-shard  shards one after another, each with its own pool (one generate_async call per shard), on the
-             first --per-shard-shards shards, extrapolated to all (shards are independent: each drains alone);
-  cpu        zero server latency: the client's CPU time per request.
+  cli        `eagle3-datagen run` end to end at two latency settings: utilization, first request, stall, CPU;
+  clients    the HTTP client's CPU per request: the project's client against the openai SDK's two transports;
+  auto       `server.max_in_flight: auto` against a sweep of fixed budgets on the real vLLM CPU server;
+  shared     the stage alone, every shard at once on one budget per endpoint, against an ideal client;
+  per-shard  shards one after another, each with its own pool, extrapolated to all;
+  cpu        the stage alone at zero server latency: the client's CPU time per request.
 
-Utilization, the run time ÷ the ideal time and the ratio of the two designs are printed, never asserted: speed
-goals are checked by reading this output, not by timed tests.
+Figures are printed, never asserted: speed goals are checked by reading this output, not by timed tests.
 
-    .venv/bin/python benchmarks/generation_utilization.py [--requests 20000 --shard-size 500 --budget 256 ...]
+    .venv/bin/python benchmarks/generation_utilization.py [--phases cli,clients,auto]
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,7 @@ import yaml
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
+from eagle3_datagen.protocol import OpenAIClient, build_chat_request
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, scripted_latency
 from tasks.generation import GenerationSettings, generate_async
@@ -356,6 +357,86 @@ def cli_phase(args: argparse.Namespace, tmp: str) -> None:
           "stall <= 50 ms; CPU <= 0.5 ms/request; no ERROR line or traceback")
 
 
+async def _drive(call: Callable[[int], Awaitable[Any]], requests: int, concurrency: int) -> float:
+    """CPU seconds of this process per request, `concurrency` requests in flight."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(k: int) -> None:
+        async with gate:
+            await call(k)
+
+    began = time.process_time()
+    await asyncio.gather(*(one(k) for k in range(requests)))
+    return (time.process_time() - began) / requests
+
+
+async def _client_costs(url: str, requests: int, concurrency: int) -> dict[str, float]:
+    """One round of each client against the same zero-latency server, reading reasoning and token ids as the
+    stage does."""
+    import openai
+
+    profile = BUILTIN_PROFILES["qwen3"]
+    costs: dict[str, float] = {}
+    async with OpenAIClient(url, None, 60, concurrency) as ours:
+        costs["project (raw aiohttp)"] = await _drive(
+            lambda k: ours.chat(build_chat_request("scripted-model", [{"role": "user", "content": f"q{k}"}], profile,
+                                                   GenerationConfig(max_tokens=64)), profile), requests, concurrency)
+    for name, http in (("openai SDK, httpx transport", openai.DefaultAsyncHttpxClient()),
+                       ("openai SDK, aiohttp transport", openai.DefaultAioHttpClient())):
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http) as sdk:
+            async def call(k: int, sdk: openai.AsyncOpenAI = sdk) -> None:
+                done = await sdk.chat.completions.create(
+                    model="scripted-model", messages=[{"role": "user", "content": f"q{k}"}], max_tokens=64,
+                    extra_body={"return_token_ids": True, "chat_template_kwargs": {"enable_thinking": True}})
+                extra = done.choices[0].message.model_extra or {}
+                assert extra.get("reasoning") and (done.choices[0].model_extra or {}).get("token_ids")
+
+            costs[name] = await _drive(call, requests, concurrency)
+    return costs
+
+
+def clients_phase(args: argparse.Namespace) -> None:
+    """The HTTP client's own cost: the project's raw aiohttp client against the openai SDK on both transports."""
+    print(f"\n[clients] client CPU per request, zero server latency, {args.client_requests} requests at "
+          f"{CLI_BUDGET} in flight, {args.client_rounds} interleaved rounds (median)")
+    rounds: dict[str, list[float]] = {}
+    with Servers([Script()]) as servers:
+        for _ in range(args.client_rounds):
+            for name, cost in asyncio.run(_client_costs(servers.urls[0], args.client_requests, CLI_BUDGET)).items():
+                rounds.setdefault(name, []).append(cost)
+    ours = statistics.median(rounds["project (raw aiohttp)"])
+    for name, costs in rounds.items():
+        print(f"  {name:<32} {statistics.median(costs) * 1e3:6.2f} ms/request  ({statistics.median(costs) / ours:.1f}× "
+              "the project's)")
+
+
+def auto_phase(args: argparse.Namespace, tmp: str) -> None:
+    """`max_in_flight: auto` against fixed budgets on the real vLLM CPU server: throughput of each, one run."""
+    from cli.demo import DEMO_MODEL_NAME, tiny_model_dir
+    from eagle3_datagen.testing.vllm_server import LocalVLLMServer
+
+    settings = GenerationSettings(DEMO_MODEL_NAME, BUILTIN_PROFILES["qwen3"],
+                                  GenerationConfig(max_tokens=args.vllm_max_tokens, temperature=0.7), "bench")
+    print(f"\n[auto] real vLLM CPU server (tiny model), {args.vllm_requests} requests of up to "
+          f"{args.vllm_max_tokens} tokens per setting; throughput in completion tokens/s")
+    results: dict[str, float] = {}
+    with LocalVLLMServer(tiny_model_dir(), served_name=DEMO_MODEL_NAME, reasoning_parser="qwen3",
+                         log_path=Path(tmp) / "vllm.log") as server:
+        for budget in [*args.vllm_budgets, "auto"]:
+            store = RunStore(tmp, f"vllm-{budget}")
+            refs = write_prompts(store, args.vllm_requests, args.shard_size)
+            config = ServerConfig(endpoints=[server.url], max_in_flight=budget)
+            began = time.monotonic()
+            out = asyncio.run(generate_async(store, refs, settings, config, ValidationConfig(), LOG))
+            wall = time.monotonic() - began
+            tokens = sum(int(r["usage"]["completion_tokens"]) for ref in out for r in store.read_jsonl(ref.path))
+            results[str(budget)] = tokens / wall
+            print(f"  max_in_flight {budget!s:>5}: {tokens / wall:8.0f} tokens/s  {args.vllm_requests / wall:6.1f} "
+                  f"requests/s  ({wall:.1f}s)")
+    best = max((k for k in results if k != "auto"), key=results.__getitem__)
+    print(f"  auto ÷ best fixed ({best}): {results['auto'] / results[best]:.3f}  (target >= 0.95)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20000)
@@ -369,7 +450,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="endpoint e draws its latencies from seed + e")
     parser.add_argument("--per-shard-shards", type=int, default=2, help="shards run in the per-shard phase (0: all)")
     parser.add_argument("--cpu-requests", type=int, default=2000, help="requests of the zero-latency phase")
-    parser.add_argument("--phases", default="cli,cpu", help="comma-separated subset of cli, shared, per-shard, cpu")
+    parser.add_argument("--phases", default="cli,clients,auto",
+                        help="comma-separated subset of cli, clients, auto, shared, per-shard, cpu")
+    parser.add_argument("--client-requests", type=int, default=3000, help="requests per client per round")
+    parser.add_argument("--client-rounds", type=int, default=3)
+    parser.add_argument("--vllm-requests", type=int, default=600, help="requests per budget on the vLLM server")
+    parser.add_argument("--vllm-max-tokens", type=int, default=128)
+    parser.add_argument("--vllm-budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
     parser.add_argument("--cli-requests", type=int, default=3000, help="prompts of each end-to-end run")
     parser.add_argument("--cli-medians", type=float, nargs="+", default=[0.05, 0.5], help="median latencies (s)")
     parser.add_argument("--cli-sigma", type=float, default=0.8, help="log-normal sigma of the end-to-end runs")
@@ -386,20 +473,24 @@ def main() -> None:
     phases = set(args.phases.split(","))
     scripts = [Script(latency_s=args.median_s, latency_sigma=args.sigma, tail_rate=args.tail_rate,
                       tail_factor=args.tail_factor, seed=args.seed + e) for e in range(args.endpoints)]
-    draws = [[scripted_latency(script, k) for k in range(args.requests)] for script in scripts]
+    draws = [[scripted_latency(script, k) for k in range(args.requests)] for script in scripts] if phases & {
+        "shared", "per-shard"} else []
     sizes = [min(args.shard_size, args.requests - first) for first in range(0, args.requests, args.shard_size)]
     began = time.monotonic()
-    print(f"{args.requests} requests in {len(sizes)} shards of {args.shard_size}, budget {args.budget} per endpoint "
-          f"× {args.endpoints} endpoints = {args.budget * args.endpoints} in flight; latency median {args.median_s}s, "
-          f"log-normal sigma {args.sigma}, {args.tail_rate:.2%} take {args.tail_factor:g}× the median")
-    print(f"probation: early_abort_after={PROBATION}: each generate_async call sends its first request alone and "
-          "waits for it; included in every measured figure and in the simulated ideal client")
-    print("ideal time: lower bound = max(sum of the latencies served ÷ slots, longest latency) (no schedule beats "
-          "it);\n  ideal client = zero-overhead simulation of the same policy on the same latencies (the bound "
-          "plus the\n  unavoidable drain: the slowest requests still running once nothing is left to send)")
     with tempfile.TemporaryDirectory() as tmp:
         if "cli" in phases:
             cli_phase(args, tmp)
+        if phases & {"shared", "per-shard"}:
+            print(f"\n{args.requests} requests in {len(sizes)} shards of {args.shard_size}, budget {args.budget} per "
+                  f"endpoint × {args.endpoints} endpoints = {args.budget * args.endpoints} in flight; latency median "
+                  f"{args.median_s}s, log-normal sigma {args.sigma}, {args.tail_rate:.2%} take {args.tail_factor:g}× "
+                  "the median")
+            print(f"probation: early_abort_after={PROBATION}: each generate_async call sends its first request alone "
+                  "and waits for it; included in every measured figure and in the simulated ideal client")
+            print("ideal time: lower bound = max(sum of the latencies served ÷ slots, longest latency) (no schedule "
+                  "beats it);\n  ideal client = zero-overhead simulation of the same policy on the same latencies (the "
+                  "bound plus the\n  unavoidable drain: the slowest requests still running once nothing is left to "
+                  "send)")
         shared_s = shared_phase(args, scripts, draws, tmp) if "shared" in phases else None
         if "per-shard" in phases:
             per_shard_s = per_shard_phase(args, scripts, draws, sizes, tmp)
@@ -411,6 +502,10 @@ def main() -> None:
                       f"({ideal_per_shard:.0f}s ÷ {ideal_shared:.0f}s, all {len(sizes)} shards simulated)")
         if "cpu" in phases:
             cpu_phase(args, tmp)
+        if "clients" in phases:
+            clients_phase(args)
+        if "auto" in phases:
+            auto_phase(args, tmp)
         if args.profile:
             profile_phase(args, tmp)
     print(f"\nbenchmark wall time {time.monotonic() - began:.0f}s")

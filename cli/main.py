@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 MAX_LISTED = 20  # missing artifacts listed by `verify` before it summarizes
+RUNS_A_FLOW = ("run", "demo", "rerun-failed")
 
 
 def _run(config: Any, regenerate: bool = False) -> dict[str, Any]:
@@ -136,6 +137,17 @@ def _prefect_defaults() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     _prefect_defaults()
     args = build_parser().parse_args(argv)
+    from cli.local_api import start_local_api
+
+    local_api = start_local_api() if args.command in RUNS_A_FLOW else None  # boots while the rest imports
+    try:
+        return _run_command(args)
+    finally:
+        if local_api is not None:
+            local_api.stop()
+
+
+def _run_command(args: argparse.Namespace) -> int:
     from cli.logs import silence_prefect_console
     from eagle3_datagen.errors import UserError
 

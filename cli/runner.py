@@ -63,10 +63,12 @@ async def _stage_lines(flow_run_id: UUID) -> list[str]:
 
 def run_pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]:
     """Run the flow; returns the run summary plus one line per stage (task states and time)."""
+    from cli.local_api import wait_for_local_api
     from flows.pipeline import pipeline
 
     store = RunStore(config.output_uri, config.run_name)
     store.check_writable()
+    wait_for_local_api()
     with RunLog(store) as log:
         flow = pipeline.with_options(result_storage=result_storage_for(config))
         state = flow(config, regenerate, return_state=True)

@@ -2,7 +2,7 @@
 
 The budget grows while nothing waits in the server's queue and its KV cache has room, and shrinks to what the
 server runs (plus a small queue, so a finished request is replaced without a round trip) when requests queue or
-the cache is full. As in TCP, it grows by a quarter until the server first pushes back, then by a sixteenth, so
+the cache is full. As in TCP, it doubles until the server first pushes back, then grows by a sixteenth, so
 it stays near the server's limit instead of swinging around it. A fixed budget is either too small for a big
 server or a long queue on a small one; this one keeps every endpoint just saturated whatever its size.
 """
@@ -16,7 +16,7 @@ from tasks.generation.pool import Endpoint, EndpointPool, Log
 
 AUTO_START = 16  # the first budget of an endpoint under `auto`
 AUTO_CAP = 1024  # never more in flight to one endpoint
-FOLLOW_EVERY_S = 0.5
+FOLLOW_EVERY_S = 0.25
 KV_CACHE_FULL = 0.95  # share of the KV cache in use past which the server preempts
 KV_CACHE_ROOM = 0.85  # below this share there is room for more requests
 
@@ -28,7 +28,7 @@ def next_limit(limit: int, peak_in_flight: int, load: ServerLoad, pushed_back: b
     if load.waiting > queue or (cache is not None and cache >= KV_CACHE_FULL):
         return max(1, min(limit, int(load.running) + queue))
     if load.waiting == 0 and (cache is None or cache < KV_CACHE_ROOM) and peak_in_flight >= limit:
-        return min(AUTO_CAP, limit + max(1, limit // (16 if pushed_back else 4)))
+        return min(AUTO_CAP, limit + max(1, limit // 16) if pushed_back else 2 * limit)
     return limit
 
 
