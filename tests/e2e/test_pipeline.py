@@ -301,6 +301,35 @@ def test_a_run_that_keeps_too_few_samples_ends_failed_with_the_common_reason(
     assert list((tmp_path / "flow" / "rejected").glob("sequences-*.jsonl")), "every dropped sample is listed"
 
 
+def _temporary_apis() -> set[int]:
+    """Processes serving Prefect's API app the way local mode starts it."""
+    found = set()
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"prefect.server.api.server:create_app" in cmdline.read_bytes():
+                found.add(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return found
+
+
+def test_a_clean_run_in_local_mode_is_quiet_and_leaves_no_server_behind(tiny_model: Path, server: ScriptedServer,
+                                                                       tmp_path: Path) -> None:
+    """The command as a new user runs it: no Prefect server configured, so it starts and stops its own."""
+    cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    before = _temporary_apis()
+    done = subprocess.run([sys.executable, "-m", "cli.main", "run", "--config", write_config(tmp_path / "c.yaml", cfg)],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed[-3000:]
+    assert "ERROR" not in printed and "Traceback" not in printed, printed[-3000:]
+    assert "View at" not in printed, "no link to a UI the temporary API does not serve"
+    assert done.stdout.strip().splitlines()[-1] == f"artifacts: {tmp_path / 'flow'}"
+    assert _temporary_apis() <= before, "the temporary Prefect API was stopped"
+
+
 def test_an_unwritable_output_uri_is_one_line_naming_it(tiny_model: Path, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "a-file").write_text("not a folder")

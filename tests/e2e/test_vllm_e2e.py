@@ -18,6 +18,7 @@ from cli.runner import run_pipeline
 from eagle3_datagen.config import PipelineConfig, parse_config
 from eagle3_datagen.testing.vllm_server import LocalVLLMServer
 from eagle3_datagen.think_tokens import load_tokenizer
+from tasks.generation import GenerationError
 from tasks.health import ServerCheckFailed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("prefect_api")]
@@ -100,15 +101,17 @@ def test_max_tokens_beyond_the_served_context_is_refused_before_generation(
     assert not (tmp_path / "demo" / "generations").exists()
 
 
-def test_thinking_switched_off_stops_the_run_before_any_shard(tiny_model: Path, vllm_server: LocalVLLMServer,
+def test_thinking_switched_off_stops_the_run_at_its_third_answer(tiny_model: Path, vllm_server: LocalVLLMServer,
                                                               tmp_path: Path) -> None:
     off = {"reasoning_parser": "qwen3", "chat_template_kwargs": {"enable_thinking": False},
            "end_of_turn": "<|im_end|>", "template_writes_start_tag": False}
     config = served_config(tiny_model, vllm_server, tmp_path, profiles={"qwen3-off": off},
                            model={"profile": "qwen3-off"})
-    with pytest.raises(ServerCheckFailed, match="thinking is off or the switch is ignored"):
+    with pytest.raises(GenerationError, match=r"early abort: 3 of the first 3 records have empty reasoning .*"
+                                              r"thinking is off or the switch is ignored"):
         run_pipeline(config)
-    assert not (tmp_path / "demo" / "generations").exists()
+    assert not list((tmp_path / "demo" / "generations").glob("shard-*[0-9].jsonl")), "no shard kept"
+    assert not (tmp_path / "demo" / "generations" / "settings.json").exists(), "nothing pins the settings"
 
 
 def test_a_server_without_a_reasoning_parser_stops_the_run(tiny_model: Path, tmp_path: Path) -> None:
