@@ -12,7 +12,9 @@ import contextvars
 import threading
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.caching import STAGE_CACHE
@@ -35,7 +37,8 @@ PROGRESS_PUSH_EVERY_S = 5.0
 
 
 class _ProgressArtifact:
-    """The Prefect progress artifact, pushed from a thread: the event loop never waits on the Prefect API."""
+    """The Prefect progress artifact, pushed from a thread through one client kept for the whole run: the event
+    loop never waits on the Prefect API, and no update builds a client of its own."""
 
     def __init__(self, description: str) -> None:
         self._id = create_progress_artifact(0.0, key="generation-progress", description=description)
@@ -48,24 +51,25 @@ class _ProgressArtifact:
         self._percent = percent
 
     def _push(self) -> None:
-        while not self._stop.wait(PROGRESS_PUSH_EVERY_S):
-            self._flush()
+        with get_client(sync_client=True) as client:
+            while not self._stop.wait(PROGRESS_PUSH_EVERY_S):
+                self._flush(client)
+            self._flush(client)
 
-    def _flush(self) -> None:
+    def _flush(self, client: SyncPrefectClient) -> None:
         if self._percent != self._shown:
             self._shown = self._percent
-            update_progress_artifact(self._id, self._shown)
+            client.update_artifact(artifact_id=self._id, artifact=ArtifactUpdate(data=self._shown))
 
     def __enter__(self) -> _ProgressArtifact:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=PROGRESS_PUSH_EVERY_S * 2)
         if exc[0] is None:
             self._percent = 100.0
-        self._flush()
+        self._stop.set()
+        self._thread.join(timeout=PROGRESS_PUSH_EVERY_S * 2)
 
 
 @task(name="generate", retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
