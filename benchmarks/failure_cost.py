@@ -1,7 +1,7 @@
 """Failure cost: what a run spends before it ends when its server breaks, with the default settings.
 
 Two cases against the scripted OpenAI-protocol server, through the real generation stage:
-  broken  every request after the pre-flight probe answers HTTP 500 (a server up but broken)
+  broken  every request answers HTTP 500 (a server up but broken)
   killed  the only server dies after `--kill-after` of `--prompts` requests (a server gone)
 For each: requests sent, seconds until the stage ended, warnings logged, how it ended. Usage:
 
