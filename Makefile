@@ -7,6 +7,7 @@ TINY_MODEL := build/tiny-model
 PIP_QUIET := --quiet --disable-pip-version-check
 export EAGLE3_VLLM_PYTHON := $(abspath $(VLLM_VENV))/bin/python
 export EAGLE3_TINY_MODEL := $(abspath $(TINY_MODEL))
+export TORCHINDUCTOR_CACHE_DIR := $(abspath build/torchinductor)
 
 .PHONY: setup test-services demo test test-fast lint clean
 

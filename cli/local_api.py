@@ -3,14 +3,18 @@
 Without `PREFECT_API_URL`, Prefect starts a temporary API the first time a flow needs it, after every import, and
 waits for it: on a 2-core machine that put the first request ~12 s after the command started. This starts the
 same server (Prefect's own app, the way Prefect runs it) as the command's first act, in its own process, so it
-boots on the other core while this process imports the pipeline; the flow then finds it ready. At exit it is
-stopped quietly. With `PREFECT_API_URL` set, nothing is started: runs go to that server.
+boots on the other core while this process imports the pipeline; the flow then finds it ready. Like Prefect's
+own, it is stopped at interpreter exit, after Prefect has flushed its logs and events to it (stopped any
+earlier, the flush waits on a server that is gone), and it dies with the command if that is killed.
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,14 +46,20 @@ def prefect_api_configured() -> bool:
     return False
 
 
-def start_local_api() -> LocalPrefectAPI | None:
-    """Start the temporary API unless one is configured; the caller stops what this returns."""
+def start_local_api() -> None:
+    """Start the temporary API unless one is configured; it stops at exit."""
     global _started
     if prefect_api_configured():
-        return None
+        return
     _started = LocalPrefectAPI()
     _started.start()
-    return _started
+    atexit.register(_started.stop)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the command dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG)."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
 
 def wait_for_local_api() -> None:
@@ -78,7 +88,7 @@ class LocalPrefectAPI:
                 [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parent.parent), "--factory",
                  "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", port, "--log-level",
                  "error", "--lifespan", "on"],
-                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         os.environ["PREFECT_API_URL"] = self.url
         os.environ["PREFECT_UI_URL"] = ""  # it serves no UI: no "View at" link to a page that is not there
 

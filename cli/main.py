@@ -137,17 +137,10 @@ def _prefect_defaults() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     _prefect_defaults()
     args = build_parser().parse_args(argv)
-    from cli.local_api import start_local_api
+    if args.command in RUNS_A_FLOW:
+        from cli.local_api import start_local_api
 
-    local_api = start_local_api() if args.command in RUNS_A_FLOW else None  # boots while the rest imports
-    try:
-        return _run_command(args)
-    finally:
-        if local_api is not None:
-            local_api.stop()
-
-
-def _run_command(args: argparse.Namespace) -> int:
+        start_local_api()  # Prefect's temporary API boots while the rest imports
     from cli.logs import silence_prefect_console
     from eagle3_datagen.errors import UserError
 

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+# torch keeps compiled kernels in /tmp/torchinductor_<user> unless told otherwise: keep them in build/ instead, for
+# this process and every server it starts (set before anything imports torch)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(__file__).resolve().parents[1] / "build" / "torchinductor"))
+
 from eagle3_datagen.testing.tiny_model import build_tiny_model
 from eagle3_datagen.testing.vllm_server import LocalVLLMServer
 
