@@ -151,10 +151,10 @@ def lower_bound(latencies: list[float], capacity: int) -> float:
     return max(sum(latencies) / capacity, max(latencies))
 
 
-def write_prompts(store: RunStore, requests: int, shard_size: int) -> list[ShardRef]:
+def write_prompts(store: RunStore, requests: int, shard_size: int, topic: str = "question") -> list[ShardRef]:
     refs = []
     for index, first in enumerate(range(0, requests, shard_size)):
-        rows = [{"id": f"p{row}", "row": row, "messages": [{"role": "user", "content": f"question {row}"}]}
+        rows = [{"id": f"p{row}", "row": row, "messages": [{"role": "user", "content": f"{topic} {row}"}]}
                 for row in range(first, min(requests, first + shard_size))]
         refs.append(store.write_shard("prompts", index, rows))
     return refs
@@ -415,30 +415,42 @@ def clients_phase(args: argparse.Namespace) -> None:
 
 
 def auto_phase(args: argparse.Namespace, tmp: str) -> None:
-    """`max_in_flight: auto` against fixed budgets on the real vLLM CPU server: throughput of each, one run."""
+    """`max_in_flight: auto` against fixed budgets on the real vLLM CPU server: throughput of each setting.
+
+    After a warm-up, the settings run in turn, `--vllm-rounds` times over, each run on prompts of its own (no
+    prefix-cache hit from an earlier run); a setting's figure is its median.
+    """
     from cli.demo import DEMO_MODEL_NAME, tiny_model_dir
     from eagle3_datagen.testing.vllm_server import LocalVLLMServer
 
     settings = GenerationSettings(DEMO_MODEL_NAME, BUILTIN_PROFILES["qwen3"],
                                   GenerationConfig(max_tokens=args.vllm_max_tokens, temperature=0.7), "bench")
     print(f"\n[auto] real vLLM CPU server (tiny model), {args.vllm_requests} requests of up to "
-          f"{args.vllm_max_tokens} tokens per setting; throughput in completion tokens/s")
-    results: dict[str, float] = {}
+          f"{args.vllm_max_tokens} tokens per run, {args.vllm_rounds} rounds over the settings; completion tokens/s")
+    runs: dict[str, list[float]] = {}
+
+    def measure(budget: int | str, name: str, requests: int) -> float:
+        store = RunStore(tmp, name)
+        refs = write_prompts(store, requests, args.shard_size, topic=name)
+        config = ServerConfig(endpoints=[server.url], max_in_flight=budget)
+        began = time.monotonic()
+        out = asyncio.run(generate_async(store, refs, settings, config, ValidationConfig(), LOG))
+        wall = time.monotonic() - began
+        return sum(int(r["usage"]["completion_tokens"]) for ref in out for r in store.read_jsonl(ref.path)) / wall
+
     with LocalVLLMServer(tiny_model_dir(), served_name=DEMO_MODEL_NAME, reasoning_parser="qwen3",
                          log_path=Path(tmp) / "vllm.log") as server:
-        for budget in [*args.vllm_budgets, "auto"]:
-            store = RunStore(tmp, f"vllm-{budget}")
-            refs = write_prompts(store, args.vllm_requests, args.shard_size)
-            config = ServerConfig(endpoints=[server.url], max_in_flight=budget)
-            began = time.monotonic()
-            out = asyncio.run(generate_async(store, refs, settings, config, ValidationConfig(), LOG))
-            wall = time.monotonic() - began
-            tokens = sum(int(r["usage"]["completion_tokens"]) for ref in out for r in store.read_jsonl(ref.path))
-            results[str(budget)] = tokens / wall
-            print(f"  max_in_flight {budget!s:>5}: {tokens / wall:8.0f} tokens/s  {args.vllm_requests / wall:6.1f} "
-                  f"requests/s  ({wall:.1f}s)")
-    best = max((k for k in results if k != "auto"), key=results.__getitem__)
-    print(f"  auto ÷ best fixed ({best}): {results['auto'] / results[best]:.3f}  (target >= 0.95)")
+        measure(64, "warm-up", 200)
+        for round_ in range(args.vllm_rounds):
+            for budget in [*args.vllm_budgets, "auto"]:
+                runs.setdefault(str(budget), []).append(measure(budget, f"round {round_} budget {budget}",
+                                                                args.vllm_requests))
+    for budget, rates in runs.items():
+        print(f"  max_in_flight {budget:>5}: {statistics.median(rates):8.0f} tokens/s  (runs: "
+              f"{', '.join(f'{r:.0f}' for r in rates)})")
+    best = max((k for k in runs if k != "auto"), key=lambda k: statistics.median(runs[k]))
+    ratio = statistics.median(runs["auto"]) / statistics.median(runs[best])
+    print(f"  auto ÷ best fixed ({best}): {ratio:.3f}  (target >= 0.95)")
 
 
 def main() -> None:
@@ -458,9 +470,10 @@ def main() -> None:
                         help="comma-separated subset of cli, clients, auto, shared, per-shard, cpu")
     parser.add_argument("--client-requests", type=int, default=3000, help="requests per client per round")
     parser.add_argument("--client-rounds", type=int, default=3)
-    parser.add_argument("--vllm-requests", type=int, default=600, help="requests per budget on the vLLM server")
+    parser.add_argument("--vllm-requests", type=int, default=2000, help="requests per run on the vLLM server")
+    parser.add_argument("--vllm-rounds", type=int, default=3, help="runs of each setting, interleaved")
     parser.add_argument("--vllm-max-tokens", type=int, default=128)
-    parser.add_argument("--vllm-budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    parser.add_argument("--vllm-budgets", type=int, nargs="+", default=[32, 64, 128, 256])
     parser.add_argument("--cli-requests", type=int, default=3000, help="prompts of each end-to-end run")
     parser.add_argument("--cli-medians", type=float, nargs="+", default=[0.05, 0.5], help="median latencies (s)")
     parser.add_argument("--cli-sigma", type=float, default=0.8, help="log-normal sigma of the end-to-end runs")

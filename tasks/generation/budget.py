@@ -14,9 +14,9 @@ import asyncio
 from eagle3_datagen.protocol import ServerLoad
 from tasks.generation.pool import Endpoint, EndpointPool, Log
 
-AUTO_START = 16  # the first budget of an endpoint under `auto`
+AUTO_START = 32  # the first budget of an endpoint under `auto` (the early-abort window's default size)
 AUTO_CAP = 1024  # never more in flight to one endpoint
-FOLLOW_EVERY_S = 0.25
+FOLLOW_EVERY_S = 0.5
 KV_CACHE_FULL = 0.95  # share of the KV cache in use past which the server preempts
 KV_CACHE_ROOM = 0.85  # below this share there is room for more requests
 
@@ -27,7 +27,9 @@ def next_limit(limit: int, peak_in_flight: int, load: ServerLoad, pushed_back: b
     cache = load.kv_cache_usage
     if load.waiting > queue or (cache is not None and cache >= KV_CACHE_FULL):
         return max(1, min(limit, int(load.running) + queue))
-    if load.waiting == 0 and (cache is None or cache < KV_CACHE_ROOM) and peak_in_flight >= limit:
+    taken_in = load.running + load.waiting >= limit - queue  # the server counts what was sent (its HTTP front
+    # end may still be reading a burst, which a CPU server does slowly: growing then only piles up more)
+    if load.waiting == 0 and (cache is None or cache < KV_CACHE_ROOM) and peak_in_flight >= limit and taken_in:
         return min(AUTO_CAP, limit + max(1, limit // 16) if pushed_back else 2 * limit)
     return limit
 

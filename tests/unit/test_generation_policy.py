@@ -79,11 +79,14 @@ def test_the_sequential_test_only_stops_runs_emptier_than_allowed(healthy: float
 
 
 def test_the_budget_grows_only_while_it_is_used_and_the_server_has_room() -> None:
-    idle = ServerLoad(running=10, waiting=0, kv_cache_usage=0.3)
+    idle = ServerLoad(running=16, waiting=0, kv_cache_usage=0.3)
     assert next_limit(16, peak_in_flight=16, load=idle) == 32, "doubles until the server pushes back"
     assert next_limit(16, peak_in_flight=9, load=idle) == 16, "a budget not used is not grown"
     assert next_limit(16, peak_in_flight=16, load=ServerLoad(16, 0, 0.9)) == 16, "the cache is nearly full"
-    assert next_limit(64, peak_in_flight=64, load=idle, pushed_back=True) == 68, "slowly once the server pushed back"
+    assert next_limit(64, peak_in_flight=64, load=ServerLoad(64, 0, 0.3), pushed_back=True) == 68, \
+        "slowly once the server pushed back"
+    assert next_limit(256, peak_in_flight=256, load=ServerLoad(120, 0, 0.1)) == 256, \
+        "not while the server has yet to take in what was sent"
 
 
 def test_the_budget_shrinks_to_what_runs_plus_a_short_queue_when_requests_wait() -> None:
