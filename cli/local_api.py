@@ -72,7 +72,8 @@ class LocalPrefectAPI:
     """The temporary API of one command; `start` returns at once, `wait_ready` before the first flow run."""
 
     def __init__(self) -> None:
-        self.url = f"http://127.0.0.1:{_free_port()}/api"
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
         home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect")).expanduser()
         home.mkdir(parents=True, exist_ok=True)
         self.log_path = home / "temporary-api.log"
@@ -81,12 +82,11 @@ class LocalPrefectAPI:
     def start(self) -> None:
         spec = importlib.util.find_spec("prefect")  # where Prefect lives, without importing it here
         assert spec is not None and spec.origin is not None, "prefect is a dependency"
-        port = self.url.rsplit(":", 1)[1].removesuffix("/api")
         env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parent.parent), "--factory",
-                 "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", port, "--log-level",
+                 "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port), "--log-level",
                  "error", "--lifespan", "on"],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
         os.environ["PREFECT_API_URL"] = self.url

@@ -1,6 +1,6 @@
 """The OpenAI-protocol client: request bodies, response shapes, and reading reasoning from every form servers send.
 
-Raw HTTP (aiohttp), not the OpenAI SDK: a seventh of the SDK's CPU per request, measured (see `OpenAIClient`).
+Raw HTTP (aiohttp), not the OpenAI SDK: a sixth of the SDK's CPU per request or less, measured (see `OpenAIClient`).
 Responses are read here in every form servers send: the reasoning field has had three names (`reasoning`,
 `reasoning_content`, inline `<think>` tags).
 """
@@ -222,8 +222,8 @@ class OpenAIClient:
     """A small async client for one vLLM endpoint; the API key comes from the environment only.
 
     Raw aiohttp, not the openai SDK, because of its cost per request: at 64 in flight against a server that
-    answers at once, reading reasoning and token ids, this client spends 0.17 ms of CPU per request, the SDK
-    1.2 ms on its aiohttp transport and 2.0 ms on its default httpx one (7× and 12×; `benchmarks/
+    answers at once, reading reasoning and token ids, this client spends 0.21 ms of CPU per request, the SDK
+    1.18 ms on its aiohttp transport and 1.81 ms on its default httpx one (5.7× and 8.6×; `benchmarks/
     generation_utilization.py --phases clients`). At a thousand requests a second the SDK alone would need a
     core or two; this leaves the budget full. The body is plain JSON: vLLM's extra fields need no `extra_body`.
     """

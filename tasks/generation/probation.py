@@ -6,7 +6,7 @@ Two checks, both on real prompts whose answers are kept:
   reads, token ids, the served model); one bad answer stops the run with the fix;
 - the share of answers without reasoning is judged by Wald's sequential probability ratio test between a healthy
   run (`validation.max_empty_reasoning_rate`) and a broken one (half the answers or more without reasoning):
-  about eight good answers let the run go on, three empty ones in a row stop it, and a run still undecided when
+  about seven good answers let the run go on, three empty ones in a row stop it, and a run still undecided when
   the window is spent is judged on the window's rates as a whole.
 """
 
@@ -50,6 +50,13 @@ class EmptyReasoningTest:
     broken: float
     evidence: float = 0.0  # log-likelihood ratio, broken over healthy
 
+    @classmethod
+    def allowing(cls, healthy: float) -> EmptyReasoningTest:
+        """The test for a run allowed a `healthy` share of empty answers: broken means at least half of them
+        empty, and halfway from the allowed share to all of them, so a run just above a high allowance is not
+        judged against an all-empty one (and let through)."""
+        return cls(healthy, max(BROKEN_EMPTY_RATE, healthy + (1 - healthy) / 2))
+
     def add(self, empty: bool) -> None:
         if self.broken <= self.healthy:
             return
@@ -79,8 +86,7 @@ class Probation:
         self._model = model
         self._profile = profile
         self._validation = validation
-        healthy = validation.max_empty_reasoning_rate
-        self._empty_test = EmptyReasoningTest(healthy, max(BROKEN_EMPTY_RATE, min(0.99, 2 * healthy)))
+        self._empty_test = EmptyReasoningTest.allowing(validation.max_empty_reasoning_rate)
         self._started = self._finished = self._answers = self._empty = 0
         self._refusals: list[str] = []
         self._probes: dict[str, list[Completion]] = {}

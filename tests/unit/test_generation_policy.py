@@ -30,9 +30,9 @@ def judge(outcomes: list[Outcome], size: int = 32, **validation: object) -> tupl
     return probation, len(outcomes)
 
 
-def test_a_healthy_run_is_let_go_after_its_first_eight_answers_of_a_window_of_32() -> None:
+def test_a_healthy_run_is_let_go_after_its_first_seven_answers_of_a_window_of_32() -> None:
     probation, seen = judge([answer("thinking…")] * 32)
-    assert probation.passed and seen == 8
+    assert probation.passed and seen == 7
 
 
 def test_a_run_without_reasoning_is_stopped_at_its_third_answer() -> None:
@@ -43,7 +43,7 @@ def test_a_run_without_reasoning_is_stopped_at_its_third_answer() -> None:
 
 def test_one_empty_answer_among_good_ones_delays_the_verdict_but_does_not_stop_the_run() -> None:
     probation, seen = judge([answer("")] + [answer("thinking…")] * 31)
-    assert probation.passed and 8 < seen < 32
+    assert probation.passed and 7 < seen < 32
 
 
 def test_a_run_with_half_its_answers_empty_is_never_let_go() -> None:
@@ -64,18 +64,19 @@ def test_a_malformed_first_answer_stops_the_run_and_is_not_kept() -> None:
     assert "--reasoning-parser qwen3" in str(probation.error)
 
 
-@pytest.mark.parametrize("healthy", [0.0, 0.05, 0.2, 0.5, 1.0])
-def test_the_sequential_test_only_stops_runs_emptier_than_allowed(healthy: float) -> None:
-    """Whatever the allowed rate, the test stops a run only once its empty share is above that rate."""
-    test = EmptyReasoningTest(healthy, max(0.5, min(0.99, 2 * healthy)))
+@pytest.mark.parametrize("healthy", [0.0, 0.05, 0.2, 0.5, 0.8, 1.0])
+def test_the_sequential_test_stops_a_run_only_when_it_is_emptier_than_allowed(healthy: float) -> None:
+    """Two answers in three empty: stopped exactly when that share is above the allowed rate, and then only once
+    the share seen so far is above it too."""
+    test = EmptyReasoningTest.allowing(healthy)
     empty = answers = 0
     for k in range(200):
-        is_empty = k % 3 != 2  # two thirds empty
-        test.add(is_empty)
-        empty, answers = empty + is_empty, answers + 1
+        test.add(k % 3 != 2)
+        empty, answers = empty + (k % 3 != 2), answers + 1
         if test.verdict == "abort":
             assert empty / answers > healthy
             break
+    assert (test.verdict == "abort") == (healthy < 2 / 3)
 
 
 def test_the_budget_grows_only_while_it_is_used_and_the_server_has_room() -> None:
