@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,8 +53,21 @@ class ModelConfig(_Section):
     tokenizer: str = Field(description="Tokenizer path or hub id, loaded with transformers' AutoTokenizer.")
 
 
+def _required_in_the_form(*keys: str) -> Callable[[dict[str, Any]], None]:
+    """Keys the deployment form must be given, though a YAML config may leave them to their defaults: a form left
+    without endpoints is refused at submit, rather than run against a local default nobody serves there."""
+
+    def require(schema: dict[str, Any]) -> None:
+        schema["required"] = sorted({*schema.get("required", []), *keys})
+
+    return require
+
+
 class ServerConfig(_Section):
+    model_config = ConfigDict(json_schema_extra=_required_in_the_form("endpoints"))
+
     endpoints: list[str] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"],
         description="vLLM base URLs, one per replica, e.g. http://vllm-0:8000 (at least one).",
         json_schema_extra={"minItems": 1, "items": {"type": "string", "pattern": r"^https?://[^/\s]+"}},
     )
@@ -201,6 +215,8 @@ class HiddenStatesConfig(_Section):
 class PipelineConfig(_Section):
     """Everything a run needs; the settings that change outputs are fingerprinted into the manifest."""
 
+    model_config = ConfigDict(json_schema_extra=_required_in_the_form("server"))
+
     run_name: str = Field(
         title="Run name", description="Folder name of this run under output_uri (letters, digits, . _ -); flow and "
         "task runs, artifacts and the report are named after it. The same name resumes the run.",
@@ -213,7 +229,9 @@ class PipelineConfig(_Section):
     )
     data: DataConfig = Field(title="Data", description="The prompt dataset and how it is cut into shards.")
     model: ModelConfig = Field(title="Model", description="The served reasoning model, its profile and tokenizer.")
-    server: ServerConfig = Field(title="Server", description="The vLLM servers that generate, and how to treat them.")
+    server: ServerConfig = Field(
+        default_factory=ServerConfig, title="Server", description="The vLLM servers that generate and how to use them."
+    )
     generation: GenerationConfig = Field(
         default_factory=GenerationConfig, title="Generation", description="Sampling settings of every request."
     )
