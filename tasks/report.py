@@ -392,6 +392,8 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
     cause = run_shortfall(shards, last_stage, num_shards, config.validation.min_accepted_rate, store,
                           generation_error)
     end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals)
+    if cause and isinstance(generation, UserError):
+        raise generation.restated(cause) from None  # its type and exit status, with what the run knows now
     if cause:
         raise RunFailed(cause)
     return {"run_uri": store.uri, "totals": totals, "report": report}
@@ -403,10 +405,11 @@ def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards
     short = [name for name, s in shards.items() if s.get(last_stage, {}).get("status") != "done"]
     if short:
         more = f" and {len(short) - 10} more" if len(short) > 10 else ""
-        why = f"generation: {generation_error}; " if generation_error else ""
-        return (f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}; the others "
-                f"went on to {last_stage}): {why}see {store.uri}/{MANIFEST}; fix the cause and run again (finished "
-                "shards are not redone)")
+        which = f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}"
+        if generation_error:
+            return f"{generation_error}; {which}; the others went on to {last_stage})"
+        return (f"{which}; the others went on to {last_stage}): see {store.uri}/{MANIFEST}; fix the cause and run "
+                "again (finished shards are not redone)")
     prompts = sum(s["prompts"]["records"] for s in shards.values())
     accepted = sum(s[last_stage].get("accepted_prompts", 0) for s in shards.values())
     rate = accepted / max(1, prompts)
