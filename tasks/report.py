@@ -262,9 +262,9 @@ def plot_shard_outcomes(names: list[str], accepted: list[int], rejected: list[in
 def latency_over_time(timeline: list[dict[str, float]], points: int = 60) -> list[tuple[float, float]]:
     """(seconds into the attempt, mean request latency) from generation's samples, by Little's law.
 
-    Each sample counts prompts finished and requests in flight; over a window, mean latency = mean requests in
-    flight ÷ completions per second. Windows without a completion have no latency and are left out; an attempt
-    of a resumed run starts its own time axis.
+    Each row counts the prompts finished by then and the mean requests in flight since the row before; over a
+    window, mean latency = mean requests in flight ÷ completions per second. Windows without a completion have
+    no latency and are left out; each attempt of a resumed run starts its own time axis.
     """
     attempts: dict[float, list[dict[str, float]]] = {}
     for sample in timeline:
@@ -277,7 +277,7 @@ def latency_over_time(timeline: list[dict[str, float]], points: int = 60) -> lis
             finished = window[-1]["done"] - window[0]["done"]
             if finished <= 0:
                 continue
-            busy = sum((a["in_flight"] + b["in_flight"]) / 2 * (b["t"] - a["t"]) for a, b in pairwise(window))
+            busy = sum(b["in_flight"] * (b["t"] - a["t"]) for a, b in pairwise(window))
             curve.append((window[-1]["t"], busy / finished))
     return curve
 

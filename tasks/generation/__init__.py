@@ -55,7 +55,10 @@ def generate(
         pool = getattr(scheduler, "pool", None)  # built once the run starts
         return sum(endpoint.in_flight for endpoint in pool.endpoints) if pool else 0
 
-    with LiveProgress(store, run_name, prompt_shards, settings.generation.n, scheduler.shard_counts,
+    def finished() -> int:
+        return scheduler.counts.accepted + scheduler.counts.rejected + scheduler.counts.failed
+
+    with LiveProgress(store, run_name, prompt_shards, settings.generation.n, scheduler.shard_counts, finished,
                       in_flight) as progress:
         scheduler.on_progress = progress.set
         try:

@@ -22,7 +22,8 @@ from eagle3_datagen.artifacts import TIMELINE, ShardRef, shard_name, ui_key
 from eagle3_datagen.storage import RunStore
 
 PUSH_EVERY_S = 5.0
-SAMPLE_EVERY_S = 0.5
+SAMPLE_EVERY_S = 0.1  # requests in flight, averaged over each second of the timeline
+TIMELINE_STEP_S = 1.0
 
 ShardCounts = dict[int, dict[str, int]]
 
@@ -49,22 +50,44 @@ def shard_rows(prompt_shards: list[ShardRef], counts: ShardCounts, samples_per_p
     return rows
 
 
+class Timeline:
+    """Generation over time, one row per second: prompts finished by then, mean requests in flight during it."""
+
+    def __init__(self, finished: int) -> None:
+        self.started = time.time()
+        self.rows: list[dict[str, float]] = [{"t": 0.0, "done": finished, "in_flight": 0.0}]
+        self._in_flight: list[int] = []
+
+    def sample(self, finished: int, in_flight: int) -> None:
+        self._in_flight.append(in_flight)
+        if time.time() - self.started - self.rows[-1]["t"] >= TIMELINE_STEP_S:
+            self.close_step(finished)
+
+    def close_step(self, finished: int) -> None:
+        if self._in_flight:
+            self.rows.append({"t": round(time.time() - self.started, 3), "done": finished,
+                              "in_flight": sum(self._in_flight) / len(self._in_flight)})
+            self._in_flight = []
+
+
 class LiveProgress:
     """The progress and per-shard artifacts, pushed from a thread through one client kept for the whole run: the
-    event loop never waits on the Prefect API. Between pushes it samples the timeline, written to the run's
-    storage at the end (appended: each attempt of a resumed run adds its own)."""
+    event loop never waits on the Prefect API. Between pushes it samples the timeline (`finished` prompts and
+    requests `in_flight`, both cheap to read), written to the run's storage at the end, appended: each attempt
+    of a resumed run adds its own."""
 
     def __init__(self, store: RunStore, run_name: str, prompt_shards: list[ShardRef], samples_per_prompt: int,
-                 shard_counts: Callable[[], ShardCounts], in_flight: Callable[[], int]) -> None:
+                 shard_counts: Callable[[], ShardCounts], finished: Callable[[], int],
+                 in_flight: Callable[[], int]) -> None:
         self._store = store
         self._shards = prompt_shards
         self._samples_per_prompt = samples_per_prompt
         self._shard_counts = shard_counts
+        self._finished = finished
         self._in_flight = in_flight
         self._percent = self._shown = 0.0
         self._rows_shown = ""
-        self._timeline: list[dict[str, float]] = []
-        self._started = time.time()
+        self._timeline = Timeline(finished())
         self._ended = False
         self._progress_id = create_progress_artifact(
             0.0, key=ui_key(run_name, "generation-progress"), description=f"generation of {run_name}")
@@ -81,17 +104,11 @@ class LiveProgress:
     def _rows(self) -> list[dict[str, Any]]:
         return shard_rows(self._shards, self._shard_counts(), self._samples_per_prompt, self._ended)
 
-    def _sample(self) -> None:
-        rows = self._rows()
-        done = sum(row["answered"] + row["refused"] for row in rows)
-        self._timeline.append({"t": round(time.time() - self._started, 3), "done": done,
-                               "in_flight": self._in_flight()})
-
     def _push(self) -> None:
         with get_client(sync_client=True) as client:
             pushed = time.monotonic()
             while not self._stop.wait(SAMPLE_EVERY_S):
-                self._sample()
+                self._timeline.sample(self._finished(), self._in_flight())
                 if time.monotonic() - pushed >= PUSH_EVERY_S:
                     self._flush(client)
                     pushed = time.monotonic()
@@ -116,8 +133,9 @@ class LiveProgress:
         self._ended = True
         self._stop.set()
         self._thread.join(timeout=PUSH_EVERY_S * 2)
-        self._sample()
-        if any(sample["done"] for sample in self._timeline):
+        timeline = self._timeline
+        timeline.close_step(self._finished())
+        if timeline.rows[-1]["done"] > timeline.rows[0]["done"]:
             previous = self._store.read_jsonl(TIMELINE) if self._store.exists(TIMELINE) else []
-            attempt = {"started_at": self._started}
-            self._store.write_jsonl(TIMELINE, [*previous, *({**attempt, **s} for s in self._timeline)])
+            self._store.write_jsonl(TIMELINE, [*previous, *({"started_at": timeline.started, **row}
+                                                            for row in timeline.rows)])
