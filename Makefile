@@ -9,7 +9,7 @@ export EAGLE3_VLLM_PYTHON := $(abspath $(VLLM_VENV))/bin/python
 export EAGLE3_TINY_MODEL := $(abspath $(TINY_MODEL))
 export TORCHINDUCTOR_CACHE_DIR := $(abspath build/torchinductor)
 
-.PHONY: setup test-services demo test test-fast lint clean
+.PHONY: setup test-services test-browser demo test test-fast lint clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,14 @@ test-services:
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 	       radosgw ceph-mon ceph-osd uuid-runtime curl >/dev/null; }
 
+# A browser for the Prefect UI tests: Debian's chromium, driven by Playwright's pip package (no browser download).
+# Where it cannot be installed, the browser tests skip and say why.
+test-browser:
+	@command -v chromium >/dev/null \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	       chromium >/dev/null; } \
+	  || echo "chromium could not be installed: the browser tests will skip"
+
 demo: setup
 	$(VENV)/bin/eagle3-datagen demo
 
@@ -46,7 +54,7 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-test: setup test-services lint
+test: setup test-services test-browser lint
 	$(VENV)/bin/python -m pytest -q -ra
 
 # The quick loop while changing a pure function: tests/unit only (no servers), in well under a minute.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,13 @@ def result_storage_for(config: PipelineConfig) -> Any:
     return RemoteFileSystem.load(name)
 
 
-BOOKKEEPING_TASKS = ("start-run", "finish-run")
+BOOKKEEPING_TASKS = ("start-run", "finish-run", "generated-shards")
+
+
+def stage_of(task_run_name: str) -> str:
+    """`my-run/validate-00003` → `validate`; a task run never started keeps Prefect's name (`validate-4f2`)."""
+    _, renamed, name = task_run_name.rpartition("/")
+    return re.sub(r"-\d{5}$", "", name) if renamed else name.rsplit("-", 1)[0]
 
 
 async def _stage_lines(flow_run_id: UUID) -> list[str]:
@@ -46,7 +53,7 @@ async def _stage_lines(flow_run_id: UUID) -> list[str]:
         runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     by_stage: dict[str, list[Any]] = defaultdict(list)
     for run in sorted(runs, key=lambda r: r.start_time or r.expected_start_time):
-        by_stage[run.name.rsplit("-", 1)[0]].append(run)
+        by_stage[stage_of(run.name)].append(run)
     lines = []
     for stage, stage_runs in by_stage.items():
         states: dict[str, int] = defaultdict(int)
@@ -55,7 +62,7 @@ async def _stage_lines(flow_run_id: UUID) -> list[str]:
         seconds = sum(run.total_run_time.total_seconds() for run in stage_runs)
         summary = ", ".join(f"{n} {name}" for name, n in sorted(states.items()))
         lines.append(f"stage {stage:<22} {summary:<26} {seconds:8.1f}s")
-    work = [r for r in runs if r.name.rsplit("-", 1)[0] not in BOOKKEEPING_TASKS]
+    work = [r for r in runs if stage_of(r.name) not in BOOKKEEPING_TASKS]
     if work and all(r.state_name == "Cached" for r in work):
         lines.append(f"all {len(work)} work tasks cached: nothing recomputed, no request sent to any server")
     return lines

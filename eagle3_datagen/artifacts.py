@@ -9,16 +9,20 @@ Layout under `{output_uri}/{run_name}/`:
   sequences/shard-NNNNN.parquet          {id, input_ids, loss_mask, num_tokens, source, agrees}
   hidden_states/shard-NNNNN/part-NNNNN.safetensors + index.json
   rejected/<stage>-shard-NNNNN.jsonl     {id?, row?, stage, reason}
+  generations/timeline.jsonl             generation sampled twice a second: time, prompts finished, in flight
+  report.md, plots/*.png                 the run report and its plots
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 
 MANIFEST = "manifest.json"
 PROMPTS_SUMMARY = "prompts/summary.json"  # rows read, accepted and rejected by the prompt stage
 REJECTED_PATH = "rejected/prompts.jsonl"  # input rows that gave no prompt, with their reasons
+TIMELINE = "generations/timeline.jsonl"  # generation's progress over time, for the report's latency plot
 
 
 def shard_name(index: int) -> str:
@@ -35,6 +39,18 @@ def artifact_path(stage: str, index: int) -> str:
         "hidden_states": "/index.json",
     }[stage]
     return f"{stage}/{shard_name(index)}{suffix}"
+
+
+def ui_key(run_name: str, what: str) -> str:
+    """A Prefect artifact key scoped to one run, so one run's artifacts never replace another's.
+
+    Keys allow lowercase letters, digits and dashes only: a run name that had to change to fit gets a short
+    hash of itself, so `My_Run` and `my-run` stay apart.
+    """
+    fitted = re.sub(r"[^a-z0-9-]+", "-", run_name.lower()).strip("-")
+    if fitted != run_name:
+        fitted += "-" + hashlib.sha256(run_name.encode()).hexdigest()[:6]
+    return f"{fitted}-{what}"
 
 
 def rejected_path(stage: str, index: int) -> str:

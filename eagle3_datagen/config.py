@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -10,9 +11,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from eagle3_datagen.errors import ConfigurationError
-from eagle3_datagen.profiles import ModelProfile, resolve_profile
+from eagle3_datagen.profiles import BUILTIN_PROFILES, ModelProfile, resolve_profile
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ABSOLUTE = r"^(/|[A-Za-z][A-Za-z0-9+.-]*://)"  # an absolute path or a URL such as s3://bucket/prefix
+ENDPOINTS_FIX = "list at least one vLLM base URL under server.endpoints, e.g. [http://127.0.0.1:8000]"
+
+
+def _absolute_in_the_form(schema: dict[str, Any]) -> None:
+    """The deployment form offers no relative default and refuses one at submit: a worker has no folder of its own."""
+    schema.pop("default", None)
+    schema["pattern"] = _ABSOLUTE
 
 
 class _Section(BaseModel):
@@ -36,13 +45,31 @@ class DataConfig(_Section):
 
 class ModelConfig(_Section):
     name: str = Field(description="Model name the vLLM server serves (checked against /v1/models).")
-    profile: str = Field(description="Model profile: a built-in name or one defined under `profiles:`.")
+    profile: str = Field(
+        description="Model profile: how thinking is switched on and read back. The form offers the built-in ones; "
+        "a profile defined under `profiles:` is named here from a YAML config (command line).",
+        json_schema_extra={"enum": sorted(BUILTIN_PROFILES)},
+    )
     tokenizer: str = Field(description="Tokenizer path or hub id, loaded with transformers' AutoTokenizer.")
 
 
+def _required_in_the_form(*keys: str) -> Callable[[dict[str, Any]], None]:
+    """Keys the deployment form must be given, though a YAML config may leave them to their defaults: a form left
+    without endpoints is refused at submit, rather than run against a local default nobody serves there."""
+
+    def require(schema: dict[str, Any]) -> None:
+        schema["required"] = sorted({*schema.get("required", []), *keys})
+
+    return require
+
+
 class ServerConfig(_Section):
+    model_config = ConfigDict(json_schema_extra=_required_in_the_form("endpoints"))
+
     endpoints: list[str] = Field(
-        default_factory=lambda: ["http://127.0.0.1:8000"], min_length=1, description="vLLM base URLs."
+        default_factory=lambda: ["http://127.0.0.1:8000"],
+        description="vLLM base URLs, one per replica, e.g. http://vllm-0:8000 (at least one).",
+        json_schema_extra={"minItems": 1, "items": {"type": "string", "pattern": r"^https?://[^/\s]+"}},
     )
     max_in_flight: PositiveInt | Literal["auto"] = Field(
         default=64,
@@ -85,6 +112,8 @@ class ServerConfig(_Section):
     @field_validator("endpoints")
     @classmethod
     def _http_urls(cls, endpoints: list[str]) -> list[str]:
+        if not endpoints:
+            raise ValueError(f"is empty: {ENDPOINTS_FIX}")
         for url in endpoints:
             if not re.match(r"^https?://[^/\s]+", url):
                 raise ValueError(f"endpoint {url!r} is not an http(s) URL such as http://127.0.0.1:8000")
@@ -92,9 +121,11 @@ class ServerConfig(_Section):
 
 
 class GenerationConfig(_Section):
-    max_tokens: PositiveInt = Field(default=4096, description="Completion budget: reasoning plus answer.")
-    temperature: float = Field(default=1.0, ge=0)
-    top_p: float = Field(default=0.95, gt=0, le=1)
+    max_tokens: PositiveInt = Field(
+        default=32768, description="Completion budget: reasoning plus answer (reasoning traces are long)."
+    )
+    temperature: float = Field(default=1.0, ge=0, description="Sampling temperature (Kimi-K2.5 thinking: 1.0).")
+    top_p: float = Field(default=0.95, gt=0, le=1, description="Nucleus sampling mass.")
     seed: int | None = Field(default=None, description="Per-request seed base (the record index is added).")
     n: PositiveInt = Field(default=1, description="Samples per prompt (ids get a `:k` suffix when n > 1).")
     extra_body: dict[str, Any] = Field(
@@ -103,9 +134,16 @@ class GenerationConfig(_Section):
 
 
 class ValidationConfig(_Section):
-    max_empty_reasoning_rate: float = Field(default=0.05, ge=0, le=1)
-    max_empty_content_rate: float = Field(default=0.10, ge=0, le=1)
-    max_truncated_rate: float = Field(default=0.10, ge=0, le=1)
+    max_empty_reasoning_rate: float = Field(
+        default=0.05, ge=0, le=1, description="A shard with a larger share of empty reasoning is quarantined."
+    )
+    max_empty_content_rate: float = Field(
+        default=0.10, ge=0, le=1, description="A shard with a larger share of empty answers is quarantined."
+    )
+    max_truncated_rate: float = Field(
+        default=0.10, ge=0, le=1,
+        description="A shard with a larger share of answers cut by max_tokens (finish_reason length) is quarantined.",
+    )
     early_abort_after: PositiveInt = Field(
         default=32,
         description="The most requests a run may spend before its first answers are judged: it goes on as soon "
@@ -126,7 +164,10 @@ class ValidationConfig(_Section):
 
 class SequencesConfig(_Section):
     max_seq_len: PositiveInt = Field(default=32768, description="Longest training sequence, in tokens.")
-    over_length: Literal["drop", "truncate"] = Field(default="drop")
+    over_length: Literal["drop", "truncate"] = Field(
+        default="drop", description="A sample longer than max_seq_len: `drop` it (rejected with its reason) or "
+        "`truncate` it."
+    )
     supervise_template_start_tag: bool = Field(
         default=False, description="Put the template-written think start tag under the loss mask."
     )
@@ -142,7 +183,9 @@ class HiddenStatesConfig(_Section):
     aux_layers: list[int] | None = Field(
         default=None, description="Input-to-layer ids (= HF hidden_states index); default [2, N//2, N-3]."
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(default="bfloat16")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="dtype of the stored hidden states (and of the target's forward pass)."
+    )
     device_map: str = Field(default="cpu", description="transformers device_map, e.g. `cpu`, `cuda`, `auto`.")
     max_tokens_per_batch: PositiveInt = Field(default=8192, description="Token budget of one forward pass.")
     part_size_bytes: PositiveInt = Field(default=1 << 30, description="Bound on one safetensors part.")
@@ -172,16 +215,41 @@ class HiddenStatesConfig(_Section):
 class PipelineConfig(_Section):
     """Everything a run needs; the settings that change outputs are fingerprinted into the manifest."""
 
-    run_name: str = Field(description="Folder name of this run under output_uri (letters, digits, . _ -).")
-    output_uri: str = Field(default="./runs", description="Local folder or s3://bucket/prefix.")
-    data: DataConfig
-    model: ModelConfig
-    server: ServerConfig = Field(default_factory=ServerConfig)
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    validation: ValidationConfig = Field(default_factory=ValidationConfig)
-    sequences: SequencesConfig = Field(default_factory=SequencesConfig)
-    hidden_states: HiddenStatesConfig = Field(default_factory=HiddenStatesConfig)
-    profiles: dict[str, ModelProfile] = Field(default_factory=dict, description="User-defined model profiles.")
+    model_config = ConfigDict(json_schema_extra=_required_in_the_form("server"))
+
+    run_name: str = Field(
+        title="Run name", description="Folder name of this run under output_uri (letters, digits, . _ -); flow and "
+        "task runs, artifacts and the report are named after it. The same name resumes the run.",
+    )
+    output_uri: str = Field(
+        default="./runs", title="Output",
+        description="Absolute folder or s3://bucket/prefix. A relative path is resolved against the directory the "
+        "command was started in and recorded absolute; a deployment run (a worker) refuses it.",
+        json_schema_extra=lambda schema: _absolute_in_the_form(schema),
+    )
+    data: DataConfig = Field(title="Data", description="The prompt dataset and how it is cut into shards.")
+    model: ModelConfig = Field(title="Model", description="The served reasoning model, its profile and tokenizer.")
+    server: ServerConfig = Field(
+        default_factory=ServerConfig, title="Server", description="The vLLM servers that generate and how to use them."
+    )
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig, title="Generation", description="Sampling settings of every request."
+    )
+    validation: ValidationConfig = Field(
+        default_factory=ValidationConfig, title="Validation",
+        description="When a shard is quarantined, and when the run stops early or ends Failed.",
+    )
+    sequences: SequencesConfig = Field(
+        default_factory=SequencesConfig, title="Sequences", description="Training token sequences and loss masks."
+    )
+    hidden_states: HiddenStatesConfig = Field(
+        default_factory=HiddenStatesConfig, title="Hidden states",
+        description="Extraction of the target's hidden states (the EAGLE-3 features).",
+    )
+    profiles: dict[str, ModelProfile] = Field(
+        default_factory=dict, title="Custom profiles",
+        description="Model profiles of your own, by name (the built-in ones need none).",
+    )
 
     @field_validator("run_name")
     @classmethod
@@ -206,6 +274,22 @@ class PipelineConfig(_Section):
 
 class ConfigError(ConfigurationError, ValueError):
     """A config problem, phrased as one line that names the key to fix."""
+
+
+def absolute_uri(uri: str, started_in: Path | None, key: str) -> str:
+    """`uri` made absolute against the directory a run was started in, once, so it is recorded as it was meant.
+
+    `started_in` is None where a run has no directory of its own (a worker runs it in a temporary folder that is
+    deleted afterwards): a relative `uri` is refused there, as writing under it would lose the outputs.
+    """
+    if re.match(_ABSOLUTE, uri):
+        return uri
+    if started_in is None:
+        raise ConfigError(
+            f"config key {key}: {uri!r} is relative, and a deployment run has no directory of its own (the worker "
+            f"runs it in a temporary folder deleted afterwards): set {key} to an absolute path or s3://bucket/prefix"
+        )
+    return str((started_in / uri).resolve())
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str) -> None:

@@ -5,6 +5,7 @@ Everything else is a bug and keeps its traceback. Stages derive their errors fro
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from eagle3_datagen.redaction import redact
@@ -22,6 +23,12 @@ class UserError(Eagle3Error):
 
     exit_status = 1
     details: str | None = None  # where the full story is (the run's log file), once a runner knows it
+
+    def restated(self, message: str) -> UserError:
+        """The same error, type and exit status kept, saying `message`: a later step adds what it has learnt."""
+        restated = copy.copy(self)
+        restated.args = (message,)
+        return restated
 
     def one_line(self) -> str:
         """The message on one line, secrets redacted: what the CLI, the manifest and the Prefect UI show."""

@@ -12,23 +12,35 @@ from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.storage import RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
-from tasks.generation import GenerationSettings, generate, unfinished_shards
+from tasks.generation import GenerationSettings, generate, generated_shards, unfinished_shards
 from tasks.health import check_servers
 from tasks.hidden_states import extract_hidden_states
 from tasks.prompts import load_prompts
-from tasks.report import finish_run, record_run_end, recorded_config, start_run
+from tasks.report import (
+    finish_run,
+    record_run_end,
+    recorded_config,
+    run_named,
+    settled_output,
+    settled_run,
+    start_run,
+)
 from tasks.sequences import build_sequence_shard
 from tasks.validation import reopen_quarantined_shards, validate_generations
 from tasks.verify import rerun_plan, verify_run
 
 
-@flow(name="eagle3-datagen", log_prints=True, on_failure=[record_run_end("failed")],
+@flow(name="eagle3-datagen", flow_run_name=run_named(), log_prints=True, on_failure=[record_run_end("failed")],
       on_crashed=[record_run_end("failed")], on_cancellation=[record_run_end("cancelled")])
 def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]:
     """Turn a prompt dataset into EAGLE-3 training data; every stage resumes and caches by content.
 
-    `regenerate` looks at storage again instead of trusting generation's cache (after shards were reopened).
+    Args:
+        config: The run, section by section as in the YAML config (data, model, server, generation, validation,
+            sequences, hidden states).
+        regenerate: Look at storage again instead of trusting generation's cache (after shards were reopened).
     """
+    config = settled_output(config)
     where = {"output_uri": config.output_uri, "run_name": config.run_name}
     context = start_run(config)
     prompts = load_prompts(config.data, fingerprint(config.data.source), **where)
@@ -37,8 +49,9 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     if unfinished_shards(prompts.shards, **where):
         check_servers(config.model.name, config.profile, config.server, config.generation, config.validation,
                       prompts.shards, config.model.tokenizer, **where)
-    generation = generate.with_options(refresh_cache=True) if regenerate else generate
-    generations = generation(prompts.shards, settings, config.server, config.validation, **where)
+    generation_task = generate.with_options(refresh_cache=True) if regenerate else generate
+    generation = generation_task.submit(prompts.shards, settings, config.server, config.validation, **where)
+    generations = generated_shards(allow_failure(generation), config.run_name)  # a failed shard holds none back
 
     at = {key: unmapped(value) for key, value in where.items()}
     validated = validate_generations.map(
@@ -55,38 +68,58 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
             unmapped(context.target_fingerprint), **at)
 
     return finish_run.submit(
-        config, context, prompts.rows, prompts.rejected, len(prompts.shards),
+        config, context, prompts.rows, prompts.rejected, len(prompts.shards), allow_failure(generation),
         wait_for=[allow_failure(f) for f in [*validated, *sequences, *hidden]],
     ).result()
 
 
-@flow(name="eagle3-generation-only", log_prints=True)
+@flow(name="eagle3-generation-only", flow_run_name=run_named("generation-only"), log_prints=True)
 def generation_only(config: PipelineConfig) -> dict[str, Any]:
-    """Everything that needs the generation servers and not the target model: up to the token sequences."""
+    """Everything that needs the generation servers and not the target model: up to the token sequences.
+
+    Args:
+        config: The run, as for the pipeline; its hidden-states section is ignored.
+    """
     hidden_states = config.hidden_states.model_copy(update={"backend": "none"})
     return pipeline(config.model_copy(update={"hidden_states": hidden_states}))
 
 
-@flow(name="eagle3-rerun-failed", log_prints=True)
+@flow(name="eagle3-rerun-failed", flow_run_name=run_named("rerun-failed"), log_prints=True)
 def rerun_failed(run: str, redo_quarantined: bool = False) -> dict[str, Any]:
     """Run a recorded run again: finished shards are cached or found in storage, only the rest does work.
 
-    With `redo_quarantined`, quarantined shards are generated again (their old records are kept aside).
+    Args:
+        run: The run folder, absolute (`/data/runs/my-run`) or `s3://bucket/prefix/my-run`.
+        redo_quarantined: Generate quarantined shards again (their old records are kept aside).
     """
+    run = settled_run(run)
     print(rerun_plan(verify_run(RunStore.at(run)), redo_quarantined))
     reopened = reopen_quarantined_shards(run) if redo_quarantined else []
     return pipeline(recorded_config(run), regenerate=bool(reopened))
 
 
-@flow(name="eagle3-extract-only", log_prints=True)
+@flow(name="eagle3-extract-only", flow_run_name=run_named("extract-only"), log_prints=True)
 def extract_only(run: str, hidden_states: HiddenStatesConfig) -> dict[str, Any]:
-    """Hidden states for an existing run's sequences, with new extraction settings; nothing is generated."""
+    """Hidden states for an existing run's sequences, with new extraction settings; nothing is generated.
+
+    Args:
+        run: The run folder, absolute (`/data/runs/my-run`) or `s3://bucket/prefix/my-run`.
+        hidden_states: The extraction settings to use instead of the recorded ones.
+    """
+    run = settled_run(run)
     return pipeline(recorded_config(run).model_copy(update={"hidden_states": hidden_states}))
 
 
-@flow(name="eagle3-export", log_prints=True)
+@flow(name="eagle3-export", flow_run_name=run_named("export"), log_prints=True)
 def export(run: str, format: ExportFormat, out: str | None = None) -> dict[str, Any]:
-    """A finished run's hidden states as the files SpecForge or speculators read; exported shards are kept."""
+    """A finished run's hidden states as the files SpecForge or speculators read; exported shards are kept.
+
+    Args:
+        run: The run folder, absolute (`/data/runs/my-run`) or `s3://bucket/prefix/my-run`.
+        format: `specforge` or `speculators`.
+        out: Where to write (any fsspec URI); default RUN/exports/FORMAT.
+    """
+    run = settled_run(run)
     plan = plan_export(run, format, out)
     shards = export_shard_task.map(unmapped(plan), plan.shards)
     return finish_export_task.submit(plan, wait_for=shards).result()

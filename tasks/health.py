@@ -133,7 +133,8 @@ async def check_servers_async(
     ))
 
 
-@task(name="check-servers", cache_policy=NO_CACHE, retries=0)
+@task(name="check-servers", task_run_name="{run_name}/check-servers", cache_policy=NO_CACHE,
+      retries=0)
 def check_servers(
     model: str,
     profile: ModelProfile,

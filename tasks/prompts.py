@@ -273,8 +273,8 @@ def build_prompt_shards(data: DataConfig, store: RunStore) -> PromptLoadResult:
     return write_prompt_shards(rows, store, data.shard_size, data.format, source=data.source, turns=data.turns)
 
 
-@task(name="load-prompts", retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
-      cache_policy=STAGE_CACHE)
+@task(name="load-prompts", task_run_name="{run_name}/load-prompts", retries=1,
+      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE)
 def load_prompts(data: DataConfig, source_fingerprint: str, output_uri: str, run_name: str) -> PromptLoadResult:
     """Prefect task: stage 2 for the run folder `{output_uri}/{run_name}`.
 

@@ -1,29 +1,43 @@
-"""Run bookkeeping: the manifest at the start and end of a run, the run report, and its reasoning-length plot.
+"""Run bookkeeping: where the run lives, the manifest at its start and end, the run report and its plots.
 
 Status is read back from the run's artifacts, not from task results, so the manifest is right whichever tasks
-failed, and `rerun-failed` can trust it.
+failed, and `rerun-failed` can trust it. The report is a markdown file in the run folder and a Prefect artifact
+scoped to the run, its plots inline, so the UI shows what the run made without opening the storage.
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import json
+import posixpath
 import statistics
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from itertools import pairwise
+from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 
 from eagle3_datagen import __version__
-from eagle3_datagen.artifacts import MANIFEST, artifact_path, prompt_id_of, rejected_path, sha256_hex, shard_name
-from eagle3_datagen.config import ConfigError, PipelineConfig, parse_config
+from eagle3_datagen.artifacts import (
+    MANIFEST,
+    TIMELINE,
+    artifact_path,
+    prompt_id_of,
+    rejected_path,
+    sha256_hex,
+    shard_name,
+    ui_key,
+)
+from eagle3_datagen.config import ConfigError, PipelineConfig, absolute_uri, parse_config
 from eagle3_datagen.errors import UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.redaction import redact
@@ -48,11 +62,49 @@ def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
-@task(name="start-run", cache_policy=NO_CACHE)
+def _started_in() -> Path | None:
+    """The directory a run was started from; None for a deployment run (its worker's folder is temporary)."""
+    from prefect.runtime import deployment
+
+    return None if deployment.id else Path.cwd()
+
+
+def settled_output(config: PipelineConfig) -> PipelineConfig:
+    """The config with `output_uri` absolute, resolved once where the run started (refused under a worker)."""
+    return config.model_copy(update={"output_uri": absolute_uri(config.output_uri, _started_in(), "output_uri")})
+
+
+def settled_run(run: str) -> str:
+    """A run folder given as a parameter, absolute (refused relative under a worker, like `output_uri`)."""
+    return absolute_uri(run, _started_in(), "run")
+
+
+def run_named(kind: str = "") -> Callable[[], str]:
+    """A flow-run name after the run it works on (`my-run`, `my-run/rerun-failed`), not Prefect's random one."""
+
+    def name() -> str:
+        from prefect.runtime import flow_run
+
+        parameters = flow_run.parameters
+        config = parameters.get("config")
+        run = config.get("run_name") if isinstance(config, dict) else getattr(config, "run_name", None)
+        run = run or posixpath.basename(str(parameters.get("run", "")).rstrip("/")) or "eagle3"
+        return f"{run}/{kind}" if kind else run
+
+    return name
+
+
+def _link(uri: str) -> str:
+    return Path(uri).as_uri() if uri.startswith("/") else uri
+
+
+@task(name="start-run", task_run_name="{config.run_name}/start-run", cache_policy=NO_CACHE)
 def start_run(config: PipelineConfig) -> RunContext:
     """Prove the think tokens before any request, and record config and fingerprints in the manifest."""
     store = RunStore(config.output_uri, config.run_name)
     store.check_writable()
+    create_link_artifact(key=ui_key(config.run_name, "output"), link=_link(store.uri), link_text=store.uri,
+                         description=f"where {config.run_name} writes its outputs")
     spec = discover_think_tokens(load_tokenizer(config.model.tokenizer), config.profile)
     context = RunContext(
         tokenizer_fingerprint=fingerprint(config.model.tokenizer),
@@ -106,6 +158,8 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
     records = parse_jsonl(data)
     rejected = rejected_path("generations", index)
     reasoning_lengths = [_reasoning_tokens(r, end_id) for r in records]
+    answer_lengths = [len(r.get("completion_token_ids") or []) - n
+                      for r, n in zip(records, reasoning_lengths, strict=True)]
     status["generations"] = {
         "status": "done",
         "sha256": sha256_hex(data),
@@ -114,10 +168,9 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
         "reasoning_coverage": sum(bool(r["reasoning"].strip()) for r in records) / max(1, len(records)),
         "truncated": sum(r["finish_reason"] == "length" for r in records),
         "mean_reasoning_tokens": statistics.fmean(reasoning_lengths) if records else 0.0,
-        "mean_answer_tokens": statistics.fmean(
-            [len(r.get("completion_token_ids") or []) - n for r, n in zip(records, reasoning_lengths, strict=True)]
-        ) if records else 0.0,
+        "mean_answer_tokens": statistics.fmean(answer_lengths) if records else 0.0,
         "reasoning_lengths": reasoning_lengths,
+        "answer_lengths": answer_lengths,
     }
     validation = artifact_path("validation", index)
     if not store.exists(validation):
@@ -164,49 +217,153 @@ def _final_stage(status: dict[str, Any]) -> str:
     return next(reversed(status))
 
 
-def _plot(lengths: list[int]) -> bytes:
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(6, 3.5))
-    axis.hist(lengths, bins=min(40, max(5, len(set(lengths)))), color="#3b6ea8")
-    axis.set_xlabel("reasoning tokens per sample")
-    axis.set_ylabel("samples")
-    axis.set_title("Reasoning length distribution")
+    return plt
+
+
+def _png(figure: Any) -> bytes:
     figure.tight_layout()
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
-    plt.close(figure)
+    figure.savefig(buffer, format="png", dpi=80)
+    _pyplot().close(figure)
     return buffer.getvalue()
 
 
-def render_report(run_name: str, shards: dict[str, dict[str, Any]], totals: dict[str, Any]) -> str:
-    lines = [f"# Run {run_name}", "", "| shard | records | reasoning coverage | truncated | mean reasoning tok | "
-             "mean answer tok | validation | last stage |", "|---|---|---|---|---|---|---|---|"]
-    for name, status in shards.items():
-        gen = status.get("generations", {})
-        lines.append(
-            f"| {name} | {gen.get('records', '-')} | {gen.get('reasoning_coverage', 0):.1%} | "
-            f"{gen.get('truncated', '-')} | {gen.get('mean_reasoning_tokens', 0):.1f} | "
-            f"{gen.get('mean_answer_tokens', 0):.1f} | {status.get('validation', {}).get('status', '-')} | "
-            f"{_final_stage(status)}: {status[_final_stage(status)]['status']} |"
-        )
+def plot_lengths(reasoning: list[int], answers: list[int]) -> bytes:
+    """Histograms of reasoning and answer tokens per sample."""
+    figure, axes = _pyplot().subplots(1, 2, figsize=(8, 3))
+    for axis, lengths, what in ((axes[0], reasoning, "reasoning"), (axes[1], answers, "answer")):
+        axis.hist(lengths, bins=min(40, max(5, len(set(lengths)))), color="#3b6ea8")
+        axis.set_xlabel(f"{what} tokens per sample")
+        axis.set_ylabel("samples")
+        axis.set_title(f"{what.capitalize()} length")
+    return _png(figure)
+
+
+def plot_shard_outcomes(names: list[str], accepted: list[int], rejected: list[int]) -> bytes:
+    """Prompts accepted into the training set and prompts rejected, per shard."""
+    figure, axis = _pyplot().subplots(figsize=(8, 3))
+    positions = range(len(names))
+    axis.bar(positions, accepted, color="#3b8a4a", label="accepted")
+    axis.bar(positions, rejected, bottom=accepted, color="#b8433a", label="rejected")
+    axis.set_xticks(list(positions), [n.removeprefix("shard-") for n in names], rotation=90 if len(names) > 20 else 0)
+    axis.set_xlabel("shard")
+    axis.set_ylabel("prompts")
+    axis.set_title("Accepted and rejected per shard")
+    axis.legend()
+    return _png(figure)
+
+
+def latency_over_time(timeline: list[dict[str, float]], points: int = 60) -> list[tuple[float, float]]:
+    """(seconds into the attempt, mean request latency) from generation's samples, by Little's law.
+
+    Each row counts the prompts finished by then and the mean requests in flight since the row before; over a
+    window, mean latency = mean requests in flight ÷ completions per second. Windows without a completion have
+    no latency and are left out; each attempt of a resumed run starts its own time axis.
+    """
+    attempts: dict[float, list[dict[str, float]]] = {}
+    for sample in timeline:
+        attempts.setdefault(sample["started_at"], []).append(sample)
+    curve = []
+    for samples in attempts.values():
+        step = max(1, len(samples) // points)
+        for at in range(step, len(samples), step):
+            window = samples[at - step:at + 1]
+            finished = window[-1]["done"] - window[0]["done"]
+            if finished <= 0:
+                continue
+            busy = sum(b["in_flight"] * (b["t"] - a["t"]) for a, b in pairwise(window))
+            curve.append((window[-1]["t"], busy / finished))
+    return curve
+
+
+def plot_latency(curve: list[tuple[float, float]]) -> bytes:
+    figure, axis = _pyplot().subplots(figsize=(8, 3))
+    axis.plot([t for t, _ in curve], [latency for _, latency in curve], marker=".", color="#6a4c93")
+    axis.set_xlabel("seconds into generation")
+    axis.set_ylabel("seconds")
+    axis.set_title("Mean request latency (requests in flight ÷ completions per second)")
+    axis.set_ylim(bottom=0)
+    return _png(figure)
+
+
+def shard_row(name: str, status: dict[str, Any], last_stage: str) -> dict[str, Any]:
+    """What the report says of one shard: records, accepted and rejected prompts, reasoning, lengths, stage."""
+    gen = status.get("generations", {})
+    stage = _final_stage(status)
+    return {
+        "shard": name,
+        "records": gen.get("records", 0),
+        "accepted": status.get(last_stage, {}).get("accepted_prompts", 0),
+        "rejected": gen.get("rejected", 0) + status.get("sequences", {}).get("rejected", 0),
+        "reasoning coverage": f"{gen.get('reasoning_coverage', 0):.1%}",
+        "truncated": gen.get("truncated", 0),
+        "mean reasoning tok": f"{gen.get('mean_reasoning_tokens', 0):.1f}",
+        "mean answer tok": f"{gen.get('mean_answer_tokens', 0):.1f}",
+        "validation": status.get("validation", {}).get("status", "-"),
+        "stage reached": f"{stage}: {status[stage]['status']}",
+    }
+
+
+def render_report(run_name: str, run_uri: str, rows: list[dict[str, Any]], totals: dict[str, Any],
+                  plots: dict[str, bytes]) -> str:
+    """The report: output location, one row per shard, totals, and the plots inline (PNG data URIs, which the
+    Prefect UI renders in a markdown artifact)."""
+    lines = [f"# Run {run_name}", "", f"Output: [{run_uri}]({_link(run_uri)})", ""]
+    if rows:
+        lines += ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+        lines += ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows]
     lines += ["", "| total | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in totals.items()]
+    for title, png in plots.items():
+        lines += ["", f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})"]
     return "\n".join(lines) + "\n"
 
 
-@task(name="finish-run", cache_policy=NO_CACHE)
+PLOT_FILES = {"reasoning and answer lengths": "reasoning_lengths.png",
+              "accepted and rejected per shard": "shard_outcomes.png",
+              "request latency over time": "request_latency.png"}
+
+
+def run_plots(shards: dict[str, dict[str, Any]], rows: list[dict[str, Any]],
+              timeline: list[dict[str, float]]) -> dict[str, bytes]:
+    """The report's plots, by title; a plot without data is left out."""
+    reasoning = [n for s in shards.values() for n in s.get("generations", {}).get("reasoning_lengths", [])]
+    answers = [n for s in shards.values() for n in s.get("generations", {}).get("answer_lengths", [])]
+    plots = {}
+    if reasoning:
+        plots["reasoning and answer lengths"] = plot_lengths(reasoning, answers)
+    if rows:
+        plots["accepted and rejected per shard"] = plot_shard_outcomes(
+            [r["shard"] for r in rows], [r["accepted"] for r in rows], [r["rejected"] for r in rows])
+    curve = latency_over_time(timeline)
+    if curve:
+        plots["request latency over time"] = plot_latency(curve)
+    return plots
+
+
+@task(name="finish-run", task_run_name="{config.run_name}/finish-run", cache_policy=NO_CACHE)
 def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_rejections: int,
-               num_shards: int) -> dict[str, Any]:
-    """Manifest, report.md, the plot and a UI artifact; fail the run if any shard fell short."""
+               num_shards: int, generation: list[Any] | BaseException) -> dict[str, Any]:
+    """Manifest, report.md, its plots and the UI report; fail the run, naming the shards, if any fell short.
+
+    `generation` is the generation task's result, or its error when it ended short.
+    """
     store = RunStore(config.output_uri, config.run_name)
     with_hidden = config.hidden_states.backend != "none"
     end_id = context.think_tokens["end_id"]
     shards = {shard_name(i): shard_status(store, i, with_hidden, end_id) for i in range(num_shards)}
-    lengths = [n for s in shards.values() for n in s.get("generations", {}).pop("reasoning_lengths", [])]
     last_stage = "hidden_states" if with_hidden else "sequences"
+    shard_rows = [shard_row(name, status, last_stage) for name, status in shards.items()]
+    timeline = store.read_jsonl(TIMELINE) if store.exists(TIMELINE) else []
+    plots = run_plots(shards, shard_rows, timeline)
+    for status in shards.values():
+        for kept_out in ("reasoning_lengths", "answer_lengths"):  # per-sample lists: plotted, not in the manifest
+            status.get("generations", {}).pop(kept_out, None)
     finished = [s for s in shards.values() if s.get(last_stage, {}).get("status") == "done"]
     rejected = prompt_rejections + sum(
         s.get(stage, {}).get("rejected", 0) for s in shards.values() for stage in ("generations", "sequences"))
@@ -223,25 +380,36 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
         "sequence tokens": sum(s.get("sequences", {}).get("tokens", 0) for s in shards.values()),
         "hidden-state bytes": sum(s.get("hidden_states", {}).get("bytes", 0) for s in shards.values()),
     }
-    report = render_report(config.run_name, shards, totals)
-    store.write_text("report.md", report)
-    if lengths:
-        store.write_bytes("reasoning_lengths.png", _plot(lengths))
-    create_markdown_artifact(key="run-report", markdown=report, description=f"eagle3-datagen {config.run_name}")
-    cause = run_shortfall(shards, last_stage, num_shards, config.validation.min_accepted_rate, store)
+    for title, png in plots.items():
+        store.write_bytes(PLOT_FILES[title], png)
+    report = render_report(config.run_name, store.uri, shard_rows, totals, {})  # the file links its plots' files
+    store.write_text("report.md", report + "".join(f"\n![{title}]({file})\n" for title, file in PLOT_FILES.items()
+                                                   if title in plots))
+    create_markdown_artifact(key=ui_key(config.run_name, "report"),
+                             markdown=render_report(config.run_name, store.uri, shard_rows, totals, plots),
+                             description=f"eagle3-datagen run {config.run_name}: per shard, totals and plots")
+    generation_error = one_line(generation) if isinstance(generation, BaseException) else None
+    cause = run_shortfall(shards, last_stage, num_shards, config.validation.min_accepted_rate, store,
+                          generation_error)
     end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals)
+    if cause and isinstance(generation, UserError):
+        raise generation.restated(cause) from None  # its type and exit status, with what the run knows now
     if cause:
         raise RunFailed(cause)
     return {"run_uri": store.uri, "totals": totals, "report": report}
 
 
 def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards: int, min_accepted_rate: float,
-                  store: RunStore) -> str | None:
-    """Why the run produced less than it should, as one line; None when it is complete."""
+                  store: RunStore, generation_error: str | None = None) -> str | None:
+    """Why the run produced less than it should, as one line naming the shards; None when it is complete."""
     short = [name for name, s in shards.items() if s.get(last_stage, {}).get("status") != "done"]
     if short:
-        return (f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}): see "
-                f"{store.uri}/{MANIFEST}; fix the cause and run again (finished shards are not redone)")
+        more = f" and {len(short) - 10} more" if len(short) > 10 else ""
+        which = f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}"
+        if generation_error:
+            return f"{generation_error}; {which}; the others went on to {last_stage})"
+        return (f"{which}; the others went on to {last_stage}): see {store.uri}/{MANIFEST}; fix the cause and run "
+                "again (finished shards are not redone)")
     prompts = sum(s["prompts"]["records"] for s in shards.values())
     accepted = sum(s[last_stage].get("accepted_prompts", 0) for s in shards.values())
     rate = accepted / max(1, prompts)

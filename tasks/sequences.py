@@ -132,8 +132,8 @@ def to_parquet(sequences: list[Sequence]) -> bytes:
     return buffer.getvalue()
 
 
-@task(name="build-sequences", retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
-      cache_policy=STAGE_CACHE)
+@task(name="build-sequences", task_run_name="{run_name}/build-sequences-{generations.index:05d}", retries=1,
+      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE)
 def build_sequence_shard(
     generations: ShardRef,
     profile: ModelProfile,

@@ -15,7 +15,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path
+from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, shard_name, ui_key
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ValidationConfig
 from eagle3_datagen.errors import UserError
@@ -140,7 +140,8 @@ def reopen_quarantined_shards(run: str) -> list[int]:
     return reopen_quarantined(RunStore.at(run))
 
 
-@task(name="validate", retries=0, persist_result=True, cache_policy=STAGE_CACHE)
+@task(name="validate", task_run_name="{run_name}/validate-{generations.index:05d}", retries=0,
+      persist_result=True, cache_policy=STAGE_CACHE)
 def validate_generations(
     generations: ShardRef,
     profile: ModelProfile,
@@ -158,8 +159,8 @@ def validate_generations(
                               lambda ids: tok.decode(ids, skip_special_tokens=False), spec)
     path = artifact_path("validation", generations.index)
     store.write_json(path, {**report.as_dict(), "generations_sha256": generations.sha256})
-    create_markdown_artifact(key=f"validation-shard-{generations.index:05d}", markdown=_markdown(run_name, report),
-                             description="reasoning-field validation")
+    create_markdown_artifact(key=ui_key(run_name, f"validation-{shard_name(generations.index)}"),
+                             markdown=_markdown(run_name, report), description="reasoning-field validation")
     if report.status != "pass":
         raise ShardQuarantined(
             f"shard {generations.index:05d} quarantined ({'; '.join(report.reasons)}); its records stay in "

@@ -8,19 +8,16 @@ more, and `records` keeps what was answered (partial logs, finished shards, the 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import threading
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_progress_artifact
-from prefect.client.orchestration import SyncPrefectClient, get_client
-from prefect.client.schemas.actions import ArtifactUpdate
+from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ServerConfig, ValidationConfig
-from eagle3_datagen.errors import retry_unless_user_error
+from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.storage import RunStore
+from tasks.generation.progress import LiveProgress
 from tasks.generation.records import (
     GenerationError,
     GenerationSettings,
@@ -28,52 +25,16 @@ from tasks.generation.records import (
     read_partial_log,
     unfinished_shards,
 )
-from tasks.generation.scheduler import generate_async
+from tasks.generation.scheduler import GenerationScheduler, generate_async
 
-__all__ = ["GenerationError", "GenerationSettings", "generate", "generate_async", "partial_log_path",
-           "read_partial_log", "unfinished_shards"]
+__all__ = ["GenerationError", "GenerationSettings", "generate", "generate_async", "generated_shards",
+           "partial_log_path", "read_partial_log", "unfinished_shards"]
 
-PROGRESS_PUSH_EVERY_S = 5.0
-
-
-class _ProgressArtifact:
-    """The Prefect progress artifact, pushed from a thread through one client kept for the whole run: the event
-    loop never waits on the Prefect API, and no update builds a client of its own."""
-
-    def __init__(self, description: str) -> None:
-        self._id = create_progress_artifact(0.0, key="generation-progress", description=description)
-        self._percent = self._shown = 0.0
-        self._stop = threading.Event()
-        context = contextvars.copy_context()
-        self._thread = threading.Thread(target=lambda: context.run(self._push), daemon=True)
-
-    def set(self, percent: float) -> None:
-        self._percent = percent
-
-    def _push(self) -> None:
-        with get_client(sync_client=True) as client:
-            while not self._stop.wait(PROGRESS_PUSH_EVERY_S):
-                self._flush(client)
-            self._flush(client)
-
-    def _flush(self, client: SyncPrefectClient) -> None:
-        if self._percent != self._shown:
-            self._shown = self._percent
-            client.update_artifact(artifact_id=self._id, artifact=ArtifactUpdate(data=self._shown))
-
-    def __enter__(self) -> _ProgressArtifact:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self._percent = 100.0
-        self._stop.set()
-        self._thread.join(timeout=PROGRESS_PUSH_EVERY_S * 2)
+FINISHED_SHARDS = "finished_shards"  # set on generation's error: the shards it wrote, which go on regardless
 
 
-@task(name="generate", retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
-      cache_policy=STAGE_CACHE - "server")
+@task(name="generate", task_run_name="{run_name}/generate", retries=1, retry_condition_fn=retry_unless_user_error,
+      persist_result=True, cache_policy=STAGE_CACHE - "server")
 def generate(
     prompt_shards: list[ShardRef],
     settings: GenerationSettings,
@@ -82,8 +43,34 @@ def generate(
     output_uri: str,
     run_name: str,
 ) -> list[ShardRef]:
-    """Generate all shards with one shared in-flight budget; resumes from partial logs."""
+    """Generate all shards with one shared in-flight budget; resumes from partial logs.
+
+    The UI shows each shard's progress live (a table artifact). A run that ends short still hands the shards it
+    wrote to the next stages: its error carries them (see `generated_shards`).
+    """
     store = RunStore(output_uri, run_name)
-    with _ProgressArtifact(f"generation of {run_name}") as progress:
-        return asyncio.run(generate_async(store, prompt_shards, settings, server, validation, get_run_logger(),
-                                          on_progress=progress.set))
+    scheduler = GenerationScheduler(store, settings, server, validation, get_run_logger())
+
+    def in_flight() -> int:
+        pool = getattr(scheduler, "pool", None)  # built once the run starts
+        return sum(endpoint.in_flight for endpoint in pool.endpoints) if pool else 0
+
+    def finished() -> int:
+        return scheduler.counts.accepted + scheduler.counts.rejected + scheduler.counts.failed
+
+    with LiveProgress(store, run_name, prompt_shards, settings.generation.n, scheduler.shard_counts, finished,
+                      in_flight) as progress:
+        scheduler.on_progress = progress.set
+        try:
+            return asyncio.run(scheduler.run(prompt_shards))
+        except UserError as error:
+            setattr(error, FINISHED_SHARDS, [scheduler.finished[i] for i in sorted(scheduler.finished)])
+            raise
+
+
+@task(name="generated-shards", task_run_name="{run_name}/generated-shards", cache_policy=NO_CACHE)
+def generated_shards(generation: list[ShardRef] | BaseException, run_name: str) -> list[ShardRef]:
+    """The shards generation wrote, also when it failed for others: one failed shard never holds the rest back."""
+    if isinstance(generation, BaseException):
+        return list(getattr(generation, FINISHED_SHARDS, []))
+    return generation

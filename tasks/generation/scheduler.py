@@ -342,6 +342,19 @@ class GenerationScheduler:
         if not self._kept_before:
             self.store.remove(SETTINGS_FILE)
 
+    def shard_counts(self) -> dict[int, dict[str, int]]:
+        """Per shard: `answered` and `refused` prompts while open, `records` once written; `{}` while being written.
+
+        Read by the progress thread while the run goes on: it only copies (each copy is atomic under the GIL).
+        """
+        counts: dict[int, dict[str, int]] = {index: {} for index in list(self._writes)}
+        counts.update({index: {"records": ref.num_records} for index, ref in list(self.finished.items())})
+        for index, state in list(self.states.items()):
+            entries = list(state.entries.values())
+            refused = sum("rejected" in entry for entry in entries)
+            counts[index] = {"answered": len(entries) - refused, "refused": refused}
+        return counts
+
 
 async def generate_async(
     store: RunStore,

@@ -14,7 +14,8 @@ from tasks.hidden_states.transformers_backend import extract_shard, load_target_
 from tasks.hidden_states.vllm_backend import extract_shard_vllm, load_served_target
 
 
-@task(name="extract-hidden-states", retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
+@task(name="extract-hidden-states", task_run_name="{run_name}/extract-hidden-states-{sequences.index:05d}",
+      retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
       cache_policy=STAGE_CACHE)
 def extract_hidden_states(
     sequences: ShardRef,

@@ -1,6 +1,8 @@
-"""The service path: a real Prefect server and process worker, `prefect deploy` from this repository's
-prefect.yaml, a deployment run with parameters, one shard failing, Retry through the API, and only that
-shard running again.
+"""The service path, as a team uses it from the Prefect UI: a real Prefect server and process worker, `prefect
+deploy` from this repository's prefect.yaml, deployment runs created through the API as the UI creates them,
+against the project's scripted OpenAI-protocol server. Each case of the UI's promises has a test: outputs that
+stay, shards you can see (and that fail alone), a report you can read, a schedule that works, a form that
+refuses bad input at submit. The browser tests at the end drive the UI itself.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from cli.demo import DEMO_MODEL_NAME, demo_questions
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
@@ -73,6 +76,37 @@ def _api(env: dict[str, str], method: str, path: str, **kwargs: Any) -> Any:
     return response.json() if response.content else None
 
 
+def _deployment(env: dict[str, str], name: str) -> dict[str, Any]:
+    return next(d for d in _api(env, "POST", "/deployments/filter", json={}) if d["name"] == name)
+
+
+def _start(env: dict[str, str], deployment: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """A flow run of a deployment, created as the UI's Run button creates it."""
+    return _api(env, "POST", f"/deployments/{_deployment(env, deployment)['id']}/create_flow_run",
+                json={"parameters": parameters})
+
+
+def _task_run_names(env: dict[str, str], flow_run_id: str) -> set[str]:
+    runs = _api(env, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    return {run["name"] for run in runs}
+
+
+def _artifact(env: dict[str, str], key: str) -> dict[str, Any]:
+    return _api(env, "GET", f"/artifacts/{key}/latest")
+
+
+def _service_config(tiny_model: Path, url: str, output: Path, run_name: str, **sections: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "run_name": run_name, "output_uri": str(output),
+        "data": {"source": str(demo_questions()), "shard_size": 10, "limit": 20},
+        "model": {"name": DEMO_MODEL_NAME, "profile": "qwen3", "tokenizer": str(tiny_model)},
+        "server": {"endpoints": [url], "max_retries": 1, "retry_backoff_s": 0.05},
+        "generation": {"max_tokens": 64},
+        "hidden_states": {"model": str(tiny_model), "dtype": "float32"},
+    }
+    return {**config, **sections}
+
+
 def _final_state(env: dict[str, str], flow_run_id: str, timeout_s: float = 420) -> str:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -93,25 +127,38 @@ def test_deployments_and_schedule_are_registered(prefect_env: dict[str, str]) ->
     assert "PipelineConfig" in str(schema)
 
 
-def test_a_failed_shard_is_retried_alone_through_the_api(prefect_env: dict[str, str], worker: Path,
-                                                         tiny_model: Path, tmp_path: Path) -> None:
+def _shard_of(run: Path, text: str) -> str:
+    """The shard (`shard-NNNNN`) whose prompts mention `text`."""
+    return next(f.stem for f in sorted((run / "prompts").glob("shard-*.jsonl")) if text in f.read_text())
+
+
+def test_a_failed_shard_goes_on_alone_is_named_and_retried_alone(prefect_env: dict[str, str], worker: Path,
+                                                                  tiny_model: Path, tmp_path: Path) -> None:
+    """Shards you can see: runs named after the run and shard, the live per-shard table, a failed shard holding
+    no other back from validation, sequences and hidden states, the run Failed naming it, Retry redoing only it;
+    then the report of the completed run: a row per shard, the output link, its plots inline."""
     script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), unavailable_for="France")
     with ScriptedServer(script) as server:
-        config = {
-            "run_name": "service", "output_uri": str(tmp_path),
-            "data": {"source": str(demo_questions()), "shard_size": 10, "limit": 20},
-            "model": {"name": DEMO_MODEL_NAME, "profile": "qwen3", "tokenizer": str(tiny_model)},
-            "server": {"endpoints": [server.url], "max_retries": 1, "retry_backoff_s": 0.05},
-        }
-        deployment = next(d for d in _api(prefect_env, "POST", "/deployments/filter", json={})
-                          if d["name"] == "generation-only")
-        run = _api(prefect_env, "POST", f"/deployments/{deployment['id']}/create_flow_run",
-                   json={"parameters": {"config": config}})
+        run = _start(prefect_env, "pipeline", {"config": _service_config(tiny_model, server.url, tmp_path, "service")})
         assert _final_state(prefect_env, run["id"]) == "FAILED", worker.read_text()[-3000:]
-        message = _api(prefect_env, "GET", f"/flow_runs/{run['id']}")["state"]["message"]
-        manifest = json.loads((tmp_path / "service" / "manifest.json").read_text())
+        flow_run = _api(prefect_env, "GET", f"/flow_runs/{run['id']}")
+        run_dir = tmp_path / "service"
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        failed = _shard_of(run_dir, "France")
+        went_on = ({"shard-00000", "shard-00001"} - {failed}).pop()
+        assert flow_run["name"] == "service", "the flow run is named after the run, not a random name"
         assert manifest["status"] == "failed" and "could not be generated" in manifest["cause"]
-        assert manifest["cause"] in message, "the UI shows the same one-line cause as the manifest"
+        assert f"did not finish ({failed}; the others went on to hidden_states)" in manifest["cause"]
+        assert manifest["cause"] in flow_run["state"]["message"], "the UI shows the manifest's one-line cause"
+        assert (run_dir / "hidden_states" / went_on / "index.json").exists(), "the good shard reached the end"
+        assert not (run_dir / "generations" / f"{failed}.jsonl").exists()
+        names = _task_run_names(prefect_env, run["id"])
+        number = went_on.removeprefix("shard-")
+        assert {"service/generate", f"service/validate-{number}", f"service/build-sequences-{number}",
+                f"service/extract-hidden-states-{number}"} <= names, names
+        table = {row["shard"]: row for row in json.loads(_artifact(prefect_env, "service-shards")["data"])}
+        assert table[went_on]["status"] == "written" and table[went_on]["remaining"] == 0
+        assert table[failed]["status"] == "unfinished" and table[failed]["remaining"] > 0
         asked_first = [b["messages"][-1]["content"] for b in server.log.bodies]
         failing = {q for q in asked_first if "France" in q}
         assert failing, "the demo questions mention France once"
@@ -123,8 +170,109 @@ def test_a_failed_shard_is_retried_alone_through_the_api(prefect_env: dict[str, 
         assert _final_state(prefect_env, run["id"]) == "COMPLETED", worker.read_text()[-3000:]
         asked_after = [b["messages"][-1]["content"] for b in server.log.bodies[len(asked_first):]]
     assert sorted(asked_after) == sorted(failing), "only the failed shard's unfinished records were asked again"
-    manifest = (tmp_path / "service" / "manifest.json").read_text()
-    assert '"status": "completed"' in manifest
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "completed" and manifest["config"]["output_uri"] == str(tmp_path)
+
+    report = _artifact(prefect_env, "service-report")["data"]
+    rows = [line for line in report.splitlines() if line.startswith("| shard-")]
+    assert [row.split(" | ")[0] for row in rows] == ["| shard-00000", "| shard-00001"]
+    assert all("hidden_states: done" in row for row in rows), "each row says the stage its shard reached"
+    assert f"Output: [{run_dir}]({run_dir.as_uri()})" in report
+    assert report.count("](data:image/png;base64,") == 3, "lengths, shard outcomes and latency plots inline"
+    assert _artifact(prefect_env, "service-output")["data"] == run_dir.as_uri()
+
+
+def test_the_rerun_failed_deployment_finishes_only_the_failed_shards(prefect_env: dict[str, str], worker: Path,
+                                                                    tiny_model: Path, tmp_path: Path) -> None:
+    script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), unavailable_for="France")
+    with ScriptedServer(script) as server:
+        config = _service_config(tiny_model, server.url, tmp_path, "rerun", hidden_states={"backend": "none"})
+        first = _start(prefect_env, "pipeline", {"config": config})
+        assert _final_state(prefect_env, first["id"]) == "FAILED", worker.read_text()[-3000:]
+        asked_first = len(server.log.bodies)
+        script.unavailable_for = None
+        rerun = _start(prefect_env, "rerun-failed", {"run": str(tmp_path / "rerun")})
+        assert _final_state(prefect_env, rerun["id"]) == "COMPLETED", worker.read_text()[-3000:]
+        asked_again = [b["messages"][-1]["content"] for b in server.log.bodies[asked_first:]]
+    assert asked_again and all("France" in q for q in asked_again), "only the failed shard's prompts were asked"
+    assert _api(prefect_env, "GET", f"/flow_runs/{rerun['id']}")["name"] == "rerun/rerun-failed"
+    assert json.loads((tmp_path / "rerun" / "manifest.json").read_text())["status"] == "completed"
+
+
+def test_outputs_stay_a_relative_output_is_refused_at_submit_and_by_the_run(
+        prefect_env: dict[str, str], worker: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """A worker runs a flow in a temporary folder that is deleted afterwards: a relative output_uri would vanish."""
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)))) as server:
+        config = _service_config(tiny_model, server.url, Path("runs"), "relative")
+        deployment = _deployment(prefect_env, "pipeline")
+        refused = httpx.post(f"{prefect_env['PREFECT_API_URL']}/deployments/{deployment['id']}/create_flow_run",
+                             json={"parameters": {"config": config}}, timeout=30)
+        assert refused.status_code == 409 and "output_uri" in refused.json()["detail"]
+        # an API client may turn the form's check off: the run itself refuses, before anything is written or asked
+        run = _api(prefect_env, "POST", f"/deployments/{deployment['id']}/create_flow_run",
+                   json={"parameters": {"config": config}, "enforce_parameter_schema": False})
+        assert _final_state(prefect_env, run["id"]) == "FAILED", worker.read_text()[-3000:]
+        message = _api(prefect_env, "GET", f"/flow_runs/{run['id']}")["state"]["message"]
+        assert "config key output_uri: 'runs' is relative" in message
+        assert "set output_uri to an absolute path or s3://bucket/prefix" in message
+        assert server.log.requests == 0
+
+
+def test_the_form_refuses_bad_input_at_submit_naming_the_field(prefect_env: dict[str, str]) -> None:
+    deployment = _deployment(prefect_env, "pipeline")
+    good = deployment["parameters"]["config"]
+    url = f"{prefect_env['PREFECT_API_URL']}/deployments/{deployment['id']}/create_flow_run"
+    for bad, field in ((_merge(good, server={"endpoints": []}), "server.endpoints"),
+                       (_merge(good, model={**good["model"], "profile": "kimi-k9"}), "model.profile"),
+                       ({key: value for key, value in good.items() if key != "server"}, "server")):
+        response = httpx.post(url, json={"parameters": {"config": bad}}, timeout=30)
+        assert response.status_code == 409, response.text
+        assert f"config.{field}" in response.json()["detail"] or f"'{field.rsplit('.', 1)[-1]}'" in \
+            response.json()["detail"], response.text
+    assert not _api(prefect_env, "POST", "/flow_runs/filter", json={"deployments": {"id": {"any_": [
+        deployment["id"]]}}, "flow_runs": {"state": {"type": {"any_": ["SCHEDULED", "PENDING"]}}}})
+
+
+def _merge(config: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    return {**config, **sections}
+
+
+def test_turning_the_schedule_on_runs_the_documented_default_config(prefect_env: dict[str, str]) -> None:
+    deployment = _deployment(prefect_env, "pipeline")
+    example = yaml.safe_load((REPO / "examples" / "nightly.yaml").read_text())
+    assert deployment["parameters"] == {"config": example}, "the schedule's runs get the documented example"
+    schedule = deployment["schedules"][0]
+    _api(prefect_env, "PATCH", f"/deployments/{deployment['id']}/schedules/{schedule['id']}", json={"active": True})
+    try:
+        _api(prefect_env, "POST", f"/deployments/{deployment['id']}/schedule", json={"max_runs": 1})
+        scheduled = _api(prefect_env, "POST", "/flow_runs/filter", json={
+            "deployments": {"id": {"any_": [deployment["id"]]}},
+            "flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}}})
+        assert scheduled and all(run["parameters"] == {"config": example} for run in scheduled)
+    finally:  # turning it off removes the runs it scheduled (at 02:00, long after this test)
+        _api(prefect_env, "PATCH", f"/deployments/{deployment['id']}/schedules/{schedule['id']}",
+             json={"active": False})
+    assert not _api(prefect_env, "POST", "/flow_runs/filter", json={
+        "deployments": {"id": {"any_": [deployment["id"]]}}, "flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}}})
+
+
+def test_a_nightly_pass_over_a_grown_dataset_asks_only_the_new_prompts(prefect_env: dict[str, str], worker: Path,
+                                                                      tiny_model: Path, tmp_path: Path) -> None:
+    rows = demo_questions().read_text().splitlines()
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text("\n".join(rows[:12]) + "\n")
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)))) as server:
+        config = _service_config(tiny_model, server.url, tmp_path / "runs", "nightly",
+                                 data={"source": str(dataset), "shard_size": 10}, hidden_states={"backend": "none"})
+        first = _start(prefect_env, "pipeline", {"config": config})
+        assert _final_state(prefect_env, first["id"]) == "COMPLETED", worker.read_text()[-3000:]
+        asked_first = len(server.log.bodies)
+        dataset.write_text("\n".join(rows[:18]) + "\n")  # the dataset grew by 6 rows since last night
+        second = _start(prefect_env, "pipeline", {"config": config})
+        assert _final_state(prefect_env, second["id"]) == "COMPLETED", worker.read_text()[-3000:]
+        asked_second = [b["messages"][-1]["content"] for b in server.log.bodies[asked_first:]]
+    new = [json.loads(row)["conversations"][0]["value"] for row in rows[12:18]]
+    assert asked_first == 12 and sorted(asked_second) == sorted(new)
 
 
 def test_a_run_cancelled_from_the_ui_ends_its_manifest_cancelled(prefect_env: dict[str, str], worker: Path,

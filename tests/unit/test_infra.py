@@ -54,3 +54,18 @@ def test_prefect_yaml_deploys_every_flow_to_the_pool_the_infra_starts() -> None:
         module, name = deployment["entrypoint"].split(":")
         assert hasattr(importlib.import_module(module), name), deployment["entrypoint"]
         assert deployment["work_pool"]["name"] == "eagle3"
+
+
+def test_the_nightly_schedule_runs_the_documented_example_config() -> None:
+    """Turning the schedule on runs the deployment's default parameters: they must be the documented example,
+    a valid config, and aimed at the compose stack's services (an absolute output, as a worker requires)."""
+    from eagle3_datagen.config import parse_config
+
+    pipeline = next(d for d in _documents(INFRA.parent / "prefect.yaml")[0]["deployments"] if d["name"] == "pipeline")
+    example = yaml.safe_load((INFRA.parent / "examples" / "nightly.yaml").read_text())
+    assert pipeline["schedules"] and pipeline["parameters"]["config"] == example
+    config = parse_config(example)
+    services = _documents(INFRA / "compose.yaml")[0]["services"]
+    assert config.server.endpoints == ["http://vllm-kimi:8000"]
+    assert config.model.name in services["vllm-kimi"]["command"]
+    assert config.output_uri.startswith("s3://") and "/data/prompts" in str(services["worker"]["volumes"])

@@ -1,0 +1,53 @@
+"""The pure cores behind what the Prefect UI shows: artifact keys, outputs made absolute, the live shard table,
+and the latency the report plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from eagle3_datagen.artifacts import ShardRef, ui_key
+from eagle3_datagen.config import ConfigError, absolute_uri
+from tasks.generation.progress import shard_rows
+from tasks.report import latency_over_time
+
+
+def test_artifact_keys_fit_prefect_and_keep_runs_apart() -> None:
+    assert ui_key("my-run", "report") == "my-run-report"
+    odd = ui_key("My_Run.v2", "report")
+    assert odd.startswith("my-run-v2-") and odd.endswith("-report") and odd != ui_key("my-run-v2", "report")
+    assert set(odd) <= set("abcdefghijklmnopqrstuvwxyz0123456789-")
+
+
+def test_a_relative_output_is_made_absolute_where_the_run_started_or_refused_without_one(tmp_path: Path) -> None:
+    assert absolute_uri("runs", tmp_path, "output_uri") == str(tmp_path / "runs")
+    assert absolute_uri("s3://bucket/x", None, "output_uri") == "s3://bucket/x"
+    assert absolute_uri("/data/runs", None, "output_uri") == "/data/runs"
+    with pytest.raises(ConfigError, match="set output_uri to an absolute path or s3://bucket/prefix"):
+        absolute_uri("./runs", None, "output_uri")
+
+
+def _prompts(index: int, count: int) -> ShardRef:
+    return ShardRef("prompts", index, f"prompts/shard-{index:05d}.jsonl", count, "0" * 64)
+
+
+def test_the_shard_table_says_where_each_shard_stands() -> None:
+    shards = [_prompts(0, 10), _prompts(1, 10), _prompts(2, 10)]
+    counts = {0: {"records": 16}, 1: {"answered": 3, "refused": 1}}  # shard 0 written with n=2 samples a prompt
+    rows = {row["shard"]: row for row in shard_rows(shards, counts, samples_per_prompt=2, ended=False)}
+    assert rows["shard-00000"] == {"shard": "shard-00000", "status": "written", "prompts": 10, "answered": 8,
+                                   "refused": 2, "remaining": 0}
+    assert (rows["shard-00001"]["status"], rows["shard-00001"]["remaining"]) == ("generating", 6)
+    assert rows["shard-00002"]["status"] == "waiting"
+    ended = {row["shard"]: row["status"] for row in shard_rows(shards, counts, 2, ended=True)}
+    assert ended == {"shard-00000": "written", "shard-00001": "unfinished", "shard-00002": "unfinished"}
+
+
+def test_latency_follows_littles_law_per_attempt() -> None:
+    # 4 requests always in flight, 2 finishing a second: each took 2 s; then a slower second attempt (8 s)
+    first = [{"started_at": 1.0, "t": float(t), "done": 2 * t, "in_flight": 4.0} for t in range(6)]
+    second = [{"started_at": 9.0, "t": float(t), "done": 10 + t // 2, "in_flight": 4.0} for t in range(0, 9, 2)]
+    curve = latency_over_time(first + second)
+    assert [latency for _, latency in curve] == [2.0] * 5 + [8.0] * 4
+    assert latency_over_time(first[:1]) == [], "one sample has no interval"
