@@ -179,7 +179,7 @@ def test_a_failed_shard_goes_on_alone_is_named_and_retried_alone(prefect_env: di
     assert all("hidden_states: done" in row for row in rows), "each row says the stage its shard reached"
     assert f"Output: [{run_dir}]({run_dir.as_uri()})" in report
     assert report.count("](data:image/png;base64,") == 3, "lengths, shard outcomes and latency plots inline"
-    assert _artifact(prefect_env, "service-output")["data"] == run_dir.as_uri()
+    assert f"]({run_dir.as_uri()})" in _artifact(prefect_env, "service-output")["data"]
 
 
 def test_the_rerun_failed_deployment_finishes_only_the_failed_shards(prefect_env: dict[str, str], worker: Path,
@@ -271,7 +271,8 @@ def test_a_nightly_pass_over_a_grown_dataset_asks_only_the_new_prompts(prefect_e
         second = _start(prefect_env, "pipeline", {"config": config})
         assert _final_state(prefect_env, second["id"]) == "COMPLETED", worker.read_text()[-3000:]
         asked_second = [b["messages"][-1]["content"] for b in server.log.bodies[asked_first:]]
-    new = [json.loads(row)["conversations"][0]["value"] for row in rows[12:18]]
+    new = [[turn["value"] for turn in json.loads(row)["conversations"] if turn["from"] == "human"][-1]
+           for row in rows[12:18]]
     assert asked_first == 12 and sorted(asked_second) == sorted(new)
 
 
@@ -303,3 +304,104 @@ def test_a_run_cancelled_from_the_ui_ends_its_manifest_cancelled(prefect_env: di
         time.sleep(0.5)  # the worker runs the flow's on_cancellation hook after killing the run
     manifest = json.loads(manifest_path.read_text())
     assert manifest["status"] == "cancelled" and "run again to resume" in manifest["cause"]
+
+
+# The browser tests: Debian's chromium (`make test-browser`) driven by Playwright, on the Prefect UI itself.
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is not installed (`make test-browser` installs it with apt-get)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed (the `browser` extra)")
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        yield chromium
+        chromium.close()
+
+
+def _form_property(page: Any, *labels: str) -> Any:
+    """The schema form's property at `labels` (one label per nesting level, "(Optional)" aside)."""
+    xpath = ""
+    for label in labels:
+        xpath += ("//div[contains(@class, 'schema-form-property ') or @class='p-label schema-form-property']"
+                  f"[./div[@class='p-label__header']//span[@class='schema-form-property__label' and "
+                  f"(normalize-space()='{label}' or normalize-space()='{label} (Optional)')]]")
+    return page.locator(f"xpath={xpath}").first
+
+
+def _flow_runs_of(env: dict[str, str], deployment_id: str, run_name: str) -> list[str]:
+    """Ids of the deployment's flow runs whose config names `run_name`."""
+    runs = _api(env, "POST", "/flow_runs/filter", json={"deployments": {"id": {"any_": [deployment_id]}}})
+    return [run["id"] for run in runs if run["parameters"].get("config", {}).get("run_name") == run_name]
+
+
+def _open_artifact(page: Any, ui: str, key: str) -> None:
+    """The artifact's latest version, reached as a user does: its key's timeline, then the version's link."""
+    page.goto(f"{ui}/artifacts/key/{key}")
+    page.locator("a[href*='/artifacts/artifact/']").first.click()
+    page.wait_for_url("**/artifacts/artifact/**")
+
+
+def test_a_run_submitted_from_the_ui_form_shows_its_state_shards_output_and_report(
+        prefect_env: dict[str, str], worker: Path, browser: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """The deployment's form filled and submitted in the browser as a user does; then, in the UI: the run's final
+    state, the per-shard table, the output link and the report's plots rendered."""
+    ui = prefect_env["PREFECT_API_URL"].removesuffix("/api")
+    deployment = _deployment(prefect_env, "pipeline")
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)))) as server:
+        page = browser.new_page(viewport={"width": 1400, "height": 1200})
+        page.goto(f"{ui}/deployments/deployment/{deployment['id']}/run")
+        for labels, value in ((("Run name",), "browser"), (("Output",), str(tmp_path)),
+                              (("Data", "Source"), str(demo_questions())), (("Data", "Shard Size"), "10"),
+                              (("Model", "Name"), DEMO_MODEL_NAME), (("Model", "Tokenizer"), str(tiny_model)),
+                              (("Server", "Endpoints"), server.url), (("Generation", "Max Tokens"), "64")):
+            _form_property(page, *labels).locator("textarea, input").first.fill(value)
+        _form_property(page, "Model", "Profile").locator("button.p-select-button__control").focus()
+        page.keyboard.press("ArrowDown")  # the list opens from the keyboard (a click toggles it shut again)
+        page.get_by_role("option", name="qwen3", exact=True).click()
+        page.get_by_role("button", name="Submit").click()
+        page.wait_for_url(f"**/deployments/deployment/{deployment['id']}*", timeout=30_000)
+        flow_run_id = next(iter(_flow_runs_of(prefect_env, deployment["id"], "browser")))
+        assert _final_state(prefect_env, flow_run_id) == "COMPLETED", worker.read_text()[-3000:]
+    submitted = _api(prefect_env, "GET", f"/flow_runs/{flow_run_id}")["parameters"]["config"]
+    assert submitted["server"]["endpoints"] == [server.url] and submitted["model"]["profile"] == "qwen3"
+
+    page.goto(f"{ui}/runs/flow-run/{flow_run_id}")
+    page.locator(".state-badge.state--completed", has_text="Completed").first.wait_for(timeout=30_000)
+    _open_artifact(page, ui, "browser-shards")
+    for shard in ("shard-00000", "shard-00001"):
+        row = page.locator("tr.p-table-row", has_text=shard)
+        row.first.wait_for(timeout=30_000)
+        assert "written" in row.first.inner_text(), row.first.inner_text()
+    _open_artifact(page, ui, "browser-output")
+    run_dir = tmp_path / "browser"
+    page.locator(f"a[href='{run_dir.as_uri()}']").first.wait_for(timeout=30_000)
+    _open_artifact(page, ui, "browser-report")
+    plots = page.locator("img[src^='data:image/png;base64,']")
+    report = _artifact(prefect_env, "browser-report")["data"]
+    assert report.count("](data:image/png;base64,") == 3, report[:3000]
+    plots.nth(2).wait_for(timeout=30_000)
+    assert plots.count() == 3
+    assert all(plots.nth(i).evaluate("img => img.complete && img.naturalWidth > 0") for i in range(3)), \
+        "every plot decodes and renders"
+    page.close()
+
+
+def test_the_ui_form_refuses_a_run_without_endpoints_naming_the_field(prefect_env: dict[str, str],
+                                                                      browser: Any) -> None:
+    ui = prefect_env["PREFECT_API_URL"].removesuffix("/api")
+    deployment = _deployment(prefect_env, "pipeline")
+    before = _api(prefect_env, "POST", "/flow_runs/filter", json={})
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    page.goto(f"{ui}/deployments/deployment/{deployment['id']}/run")
+    endpoints = _form_property(page, "Server", "Endpoints")
+    endpoints.locator("textarea").first.wait_for()
+    endpoints.locator("button.p-button--outline").first.click()  # the item's delete button: the list is now empty
+    endpoints.locator("textarea").first.wait_for(state="detached")
+    page.get_by_role("button", name="Submit").click()
+    page.get_by_text("'endpoints' is a required property").first.wait_for(timeout=30_000)
+    assert page.url.endswith("/run"), "the form stays open with what was filled in"
+    assert len(_api(prefect_env, "POST", "/flow_runs/filter", json={})) == len(before), "no run was created"
+    page.close()
