@@ -120,6 +120,26 @@ class ServerConfig(_Section):
         return [url.rstrip("/").removesuffix("/v1") for url in endpoints]
 
 
+# Request fields the project sets: overriding one from extra_body would silently change what the run asks for
+# (e.g. turn off the token ids exact sequences are built from), so each names where it is set instead.
+REQUEST_OWNED_FIELDS = {
+    "model": "set model.name",
+    "messages": "prompts come from data.source",
+    "max_tokens": "set generation.max_tokens",
+    "max_completion_tokens": "set generation.max_tokens",
+    "temperature": "set generation.temperature",
+    "top_p": "set generation.top_p",
+    "seed": "set generation.seed",
+    "n": "set generation.n",
+    "stream": "remove it (answers are read whole)",
+    "stream_options": "remove it (answers are read whole)",
+    "return_token_ids": "remove it (sequences.source decides whether the server's ids are used)",
+    "chat_template_kwargs": "thinking is switched by model.profile; define a profile under `profiles:` to change "
+    "its chat_template_kwargs",
+    "reasoning_effort": "set it in a profile under `profiles:` (its reasoning_effort)",
+}
+
+
 class GenerationConfig(_Section):
     max_tokens: PositiveInt = Field(
         default=32768, description="Completion budget: reasoning plus answer (reasoning traces are long)."
@@ -129,8 +149,17 @@ class GenerationConfig(_Section):
     seed: int | None = Field(default=None, description="Per-request seed base (the record index is added).")
     n: PositiveInt = Field(default=1, description="Samples per prompt (ids get a `:k` suffix when n > 1).")
     extra_body: dict[str, Any] = Field(
-        default_factory=dict, description="Extra top-level request fields (e.g. structured_outputs)."
+        default_factory=dict, description="Extra top-level request fields (e.g. structured_outputs); not the "
+        "fields this project sets itself (model, messages, sampling, token ids, thinking switches).",
     )
+
+    @field_validator("extra_body")
+    @classmethod
+    def _no_field_the_request_owns(cls, extra_body: dict[str, Any]) -> dict[str, Any]:
+        for key in extra_body:
+            if key in REQUEST_OWNED_FIELDS:
+                raise ValueError(f"sets {key!r}, which this project sends itself: {REQUEST_OWNED_FIELDS[key]}")
+        return extra_body
 
 
 class ValidationConfig(_Section):
@@ -155,6 +184,19 @@ class ValidationConfig(_Section):
     probe_requests: PositiveInt = Field(
         default=2, description="Each endpoint's first answers checked for form (reasoning field, token ids, model) "
         "before a record from it is kept.")
+    max_leaked_tags_rate: float = Field(
+        default=0.01, ge=0, le=1, description="A shard with a larger share of think tags left inside reasoning or "
+        "answer text is quarantined.",
+    )
+    max_token_text_mismatch_rate: float = Field(
+        default=0.01, ge=0, le=1, description="A shard with a larger share of server ids that disagree with the "
+        "text (they do not decode to reasoning and answer, or carry other than one think-end id: a parser that "
+        "changed the text) is quarantined; such samples are never trained on.",
+    )
+    max_rebuild_mismatch_rate: float = Field(
+        default=0.01, ge=0, le=1, description="Text-rebuilt samples whose token counts differ from the server's "
+        "usage counts are never trained on; a shard with a larger share of them is quarantined.",
+    )
     min_accepted_rate: float = Field(
         default=0.5, ge=0, le=1,
         description="A run that accepts a smaller share of its prompts into the training set ends Failed; the "
@@ -170,6 +212,12 @@ class SequencesConfig(_Section):
     )
     supervise_template_start_tag: bool = Field(
         default=False, description="Put the template-written think start tag under the loss mask."
+    )
+    source: Literal["auto", "server", "text"] = Field(
+        default="auto",
+        description="Where token ids come from: `server` (vLLM's own ids, exact; servers without them are "
+        "refused), `text` (rebuilt from reasoning and answer text, each sample checked against the server's usage "
+        "counts), `auto` (the server's ids where it returns them, else text).",
     )
 
 

@@ -31,19 +31,30 @@ class ProbeFinding:
     context_warning: str | None = None  # prompts too long for the served context, which the server will refuse
     reasoning_field: str | None = None  # `reasoning`, `reasoning_content` or `inline`; None until answers came
     token_ids_returned: bool | None = None
+    sequence_source: str | None = None  # how this endpoint's sequences are built: `server` ids or `text` rebuilt
     reasoning_chars: int | None = None  # the shortest reasoning among the first answers
 
 
-def check_form(endpoint: str, served: list[str], done: Completion, profile: ModelProfile, allow_inline: bool) -> None:
-    """Raise ServerCheckFailed, naming the fix, when an answer shows the server hides or mangles reasoning."""
+def check_form(endpoint: str, served: list[str], done: Completion, profile: ModelProfile, allow_inline: bool,
+               sequence_source: str = "auto") -> None:
+    """Raise ServerCheckFailed, naming the fix, when an answer shows the server hides or mangles reasoning, or
+    sends too little to build exact sequences the way `sequences.source` asks."""
     parser_hint = f"restart vLLM with --reasoning-parser {profile.reasoning_parser}"
     if done.model and done.model not in served:
         raise ServerCheckFailed(f"{endpoint} answered as model {done.model!r}, not one of {served}")
     if done.prompt_token_ids is None or done.completion_token_ids is None:
-        raise ServerCheckFailed(
-            f"{endpoint} returned no token ids for `return_token_ids`: use vLLM >= 0.10.2 "
-            "(exact sequences need the server's own ids)"
-        )
+        if sequence_source == "server":
+            raise ServerCheckFailed(
+                f"{endpoint} returns no token ids (`return_token_ids` is vLLM's, from 0.10.2; SGLang and hosted "
+                "APIs do not send it): set sequences.source: auto to rebuild sequences from text, each checked "
+                "against the server's token counts"
+            )
+        if not {"prompt_tokens", "completion_tokens"} <= done.usage.keys():
+            raise ServerCheckFailed(
+                f"{endpoint} returns neither token ids nor usage counts (prompt_tokens, completion_tokens), so a "
+                "sequence rebuilt from text could not be checked: use a server that reports usage, or vLLM "
+                ">= 0.10.2 for its own ids"
+            )
     tags_in_content = profile.think_start in done.content or profile.think_end in done.content
     if done.reasoning_source == "inline" and not allow_inline:
         raise ServerCheckFailed(
@@ -71,10 +82,12 @@ def why_empty(profile: ModelProfile) -> str:
             f"{profile.reasoning_parser}")
 
 
-def reasoning_facts(completions: list[Completion]) -> dict[str, object]:
+def reasoning_facts(completions: list[Completion], sequence_source: str = "auto") -> dict[str, object]:
     """The ProbeFinding fields an endpoint's first (well-formed) answers establish."""
+    ids = all(c.completion_token_ids is not None for c in completions)
     return {
         "reasoning_field": completions[0].reasoning_source,
-        "token_ids_returned": all(c.completion_token_ids is not None for c in completions),
+        "token_ids_returned": ids,
+        "sequence_source": "server" if ids and sequence_source != "text" else "text",
         "reasoning_chars": min(len(c.reasoning) for c in completions),
     }

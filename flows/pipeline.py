@@ -50,7 +50,8 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
         check_servers(config.model.name, config.profile, config.server, config.generation, config.validation,
                       prompts.shards, config.model.tokenizer, **where)
     generation_task = generate.with_options(refresh_cache=True) if regenerate else generate
-    generation = generation_task.submit(prompts.shards, settings, config.server, config.validation, **where)
+    generation = generation_task.submit(prompts.shards, settings, config.server, config.validation,
+                                        config.sequences.source, **where)
     generations = generated_shards(allow_failure(generation), config.run_name)  # a failed shard holds none back
 
     at = {key: unmapped(value) for key, value in where.items()}
@@ -60,7 +61,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     sequences = build_sequence_shard.map(
         validated, unmapped(config.profile), unmapped(config.model.tokenizer),
         unmapped(context.tokenizer_fingerprint), unmapped(config.sequences),
-        **at)
+        unmapped(config.validation.max_rebuild_mismatch_rate), **at)
     hidden: list[PrefectFuture[Any]] = []
     if config.hidden_states.backend != "none":
         hidden = extract_hidden_states.map(

@@ -1,13 +1,16 @@
 """Stage 7, on demand: a run's hidden states as the files a trainer reads as is.
 
-specforge    <out>/shard-NNNNN/data_{i}.ckpt (torch.save; SpecForge's OfflineEagle3Dataset walks sub-folders for
-             *.ckpt): input_ids [T] int64, loss_mask [T] int64, aux_hidden_state [1, T, 3H], hidden_state [1, T, H]
-             after the final norm.
+specforge    <out>/shard-NNNNN/data_{i:09d}.ckpt (torch.save; SpecForge's OfflineEagle3Dataset walks sub-folders
+             for *.ckpt and takes them in string order, which the zero-padding makes the sample order): input_ids
+             [T] int64, loss_mask [T] int64, aux_hidden_state [1, T, 3H], hidden_state [1, T, H] after the final
+             norm, both bfloat16 whatever the run stored (SpecForge's target head is bf16 and reads no other).
 speculators  <out>/hidden_states/hs_{i}.safetensors: token_ids [T] int64, hidden_states [T, 4, H] (the three aux
              layers, then the final state before the norm), loss_mask [T] int64; and <out>/ itself is a `datasets`
              folder (save_to_disk, torch format) with input_ids, loss_mask and seq_len for row i, which speculators'
-             ArrowDataset loads with load_from_disk and pairs with hs_{i}.
-both         <out>/export.json, written last: sample i -> id, layer ids in both conventions, which final state.
+             ArrowDataset loads with load_from_disk and pairs with hs_{i}, plus token_freq.pt (token id -> count
+             under the loss mask, as its prepare_data writes: without it --draft-vocab-size is ignored).
+both         <out>/export.json, written last: sample i -> id, layer ids in both conventions, which final state,
+             the dtype of the files.
 
 `i` counts samples over the shards in order, so shards export independently: each leaves a marker under
 <out>/_done/ and a re-run exports only shards without one (or whose hidden states changed since).
@@ -19,6 +22,7 @@ import io
 import json
 import posixpath
 import tempfile
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -38,6 +42,8 @@ from eagle3_datagen.storage import RunStore
 ExportFormat = Literal["specforge", "speculators"]
 EXPORT_INDEX = "export.json"
 _FINAL_STATE = {"specforge": "after_norm", "speculators": "before_norm"}
+SPECFORGE_DTYPE = torch.bfloat16  # its TargetHead is cast to bf16 and its inputs are not: float32 fails to train
+TOKEN_FREQ = "token_freq.pt"
 
 
 class ExportError(UserError):
@@ -116,7 +122,7 @@ def _rows_file(shard: ShardExport) -> str:
 
 def _sample_file(export_format: ExportFormat, shard: ShardExport, i: int) -> str:
     if export_format == "specforge":
-        return f"{shard_name(shard.index)}/data_{i}.ckpt"
+        return f"{shard_name(shard.index)}/data_{i:09d}.ckpt"
     return f"hidden_states/hs_{i}.safetensors"
 
 
@@ -140,9 +146,9 @@ def export_shard(plan: ExportPlan, shard: ShardExport) -> dict[str, Any]:
             record = {
                 "input_ids": input_ids,
                 "loss_mask": loss_mask,
-                # clone: a slice of the part would make torch.save write the whole part's storage
-                "aux_hidden_state": sample.aux_hidden_states.clone()[None],
-                "hidden_state": final_rms_norm(sample.final_hidden_states, weight, eps)[None],
+                # a copy: a slice of the part would make torch.save write the whole part's storage
+                "aux_hidden_state": sample.aux_hidden_states.to(SPECFORGE_DTYPE, copy=True)[None],
+                "hidden_state": final_rms_norm(sample.final_hidden_states, weight, eps).to(SPECFORGE_DTYPE)[None],
             }
             buffer = io.BytesIO()
             torch.save(record, buffer)
@@ -210,6 +216,8 @@ def finish_export(plan: ExportPlan) -> dict[str, Any]:
         "num_samples": len(ids),
         "final_state": _FINAL_STATE[plan.format],
         **{key: value for key, value in plan.source.items() if key != "final_state"},
+        "dtype": "bfloat16" if plan.format == "specforge" else plan.source["dtype"],
+        "source_dtype": plan.source["dtype"],
         "samples": ids,
     }
     out.write_json(EXPORT_INDEX, index)
@@ -229,6 +237,18 @@ def _write_dataset(out: RunStore, plan: ExportPlan) -> None:
         dataset.save_to_disk(str(Path(tmp, "dataset")))
         for file in sorted(Path(tmp, "dataset").iterdir()):
             out.write_bytes(file.name, file.read_bytes())
+        buffer = io.BytesIO()
+        torch.save(token_frequencies(dataset), buffer)
+        out.write_bytes(TOKEN_FREQ, buffer.getvalue())
+
+
+def token_frequencies(rows: Any) -> dict[int, int]:
+    """Token id -> count under the loss mask: what speculators builds its reduced draft vocabulary from."""
+    counts: Counter[int] = Counter()
+    for row in rows:
+        ids, counted = row["input_ids"][row["loss_mask"].bool()].unique(return_counts=True)
+        counts.update(dict(zip(ids.tolist(), counted.tolist(), strict=True)))
+    return dict(counts)
 
 
 def export_run(run_uri: str, export_format: ExportFormat, out_uri: str | None = None) -> dict[str, Any]:

@@ -3,14 +3,16 @@
 Two ways, cross-checked: (a) the server's own ids (prompt_token_ids + completion token_ids), exact by
 construction; (b) rebuilt from text: the generation prompt rendered with thinking on, then the start tag if the
 template did not write it, the reasoning, the end tag id, the content and the end-of-turn id. The whole
-conversation is never rendered through the template, which would drop the reasoning. (a) wins; agreement is
-recorded per sample.
+conversation is never rendered through the template, which would drop the reasoning. `sequences.source` picks
+the way ((a) where the server sent ids under `auto`); agreement is recorded per sample where both exist. A text
+rebuild is kept only when its token counts equal the server's usage counts, and every sample's completion must
+carry exactly one think-end id: a sample not provably exact is rejected with its cause, never trained on.
 """
 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -18,10 +20,10 @@ import pyarrow.parquet as pq
 from prefect import task
 from transformers import PreTrainedTokenizerBase
 
-from eagle3_datagen.artifacts import ShardRef, rejected_path
+from eagle3_datagen.artifacts import ShardRef, prompt_id_of, rejected_path
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import SequencesConfig
-from eagle3_datagen.errors import retry_unless_user_error
+from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import (
@@ -42,6 +44,10 @@ SCHEMA = pa.schema([
 ])
 
 
+class RebuildMismatch(UserError):
+    """Too many text-rebuilt samples of a shard disagree with the server's token counts."""
+
+
 @dataclass(frozen=True)
 class Sequence:
     id: str
@@ -50,6 +56,19 @@ class Sequence:
     source: str  # "server" or "text"
     agrees: bool | None  # None when only one way was possible
     first_diff: int | None
+
+
+@dataclass
+class ShardSequences:
+    """A shard's sequences, its rejected samples with their reasons, and how its text rebuilds fared."""
+
+    sequences: list[Sequence] = field(default_factory=list)
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    rebuilt_from_text: int = 0
+    count_mismatches: int = 0
+
+    def reject(self, record_id: str, reason: str) -> None:
+        self.rejected.append({"id": record_id, "stage": "sequences", "reason": reason})
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -78,40 +97,99 @@ def prompt_mask(prompt_ids: list[int], spec: ThinkTokenSpec, supervise_start_tag
     return mask
 
 
+def think_end_miscount(completion_ids: list[int], record: dict[str, Any], spec: ThinkTokenSpec) -> str | None:
+    """Why a completion does not carry exactly one think-end id (at most one when cut by max_tokens); else None."""
+    found = completion_ids.count(spec.end_id)
+    if found == 1 or (found == 0 and record["finish_reason"] == "length"):
+        return None
+    where = "the answer text lost one the model generated (the server's parser removed it)" if found > 1 else \
+        "the model never closed its reasoning"
+    return f"{found} think-end tokens ({spec.end_id}) in the completion, not 1: {where}"
+
+
+def count_mismatch(record: dict[str, Any], prompt_tokens: int, completion_tokens: int,
+                   profile: ModelProfile) -> str | None:
+    """The first plausible cause when a text rebuild's counts differ from the server's usage; None if they agree.
+
+    Counts are what every OpenAI-protocol server returns; equal counts do not prove equal ids, but every way text
+    loses a token seen so far (stripped whitespace, merges across tag boundaries, a template that renders the
+    prompt differently) changes a count.
+    """
+    usage = record.get("usage") or {}
+    served_prompt, served_completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if served_prompt is None or served_completion is None:
+        return "the server reported no usage counts (prompt_tokens, completion_tokens) to check the text rebuild"
+    if served_prompt != prompt_tokens:
+        return (f"the prompt is {prompt_tokens} tokens here and {served_prompt} on the server: model.tokenizer or "
+                "its chat template differs from the served model's")
+    if served_completion == completion_tokens:
+        return None
+    counts = f"the server generated {served_completion} completion tokens, the text rebuilds {completion_tokens}"
+    if 0 < served_completion - completion_tokens <= 2 and record["reasoning"] == record["reasoning"].rstrip():
+        return f"{counts}: the parser stripped whitespace from the end of the reasoning (vLLM's kimi_k2 does)"
+    if any(tag in record["reasoning"] + (record["content"] or "") for tag in (profile.think_start, profile.think_end)):
+        return f"{counts}: a think tag inside the reasoning or answer text"
+    return f"{counts}: tokens merge differently across the reasoning / {profile.think_end} / answer boundaries"
+
+
+def _group_counts(records: list[dict[str, Any]], completion_lengths: list[int]) -> list[int]:
+    """Per record, the text-rebuilt completion tokens of its prompt's samples together: `usage` counts a request's
+    samples (n > 1) together."""
+    totals: dict[str, int] = {}
+    for record, length in zip(records, completion_lengths, strict=True):
+        totals[prompt_id_of(record["id"])] = totals.get(prompt_id_of(record["id"]), 0) + length
+    return [totals[prompt_id_of(record["id"])] for record in records]
+
+
 def build_sequences(
     records: list[dict[str, Any]],
     tokenizer: PreTrainedTokenizerBase,
     profile: ModelProfile,
     spec: ThinkTokenSpec,
     settings: SequencesConfig,
-) -> tuple[list[Sequence], list[dict[str, Any]]]:
-    """Sequences for a shard's records (batch-tokenized), and the rejected ones with their reasons."""
+) -> ShardSequences:
+    """Sequences for a shard's records (batch-tokenized); samples that are not provably exact are rejected."""
     prompts = [render_generation_prompt(tokenizer, r["messages"], profile) for r in records]
     encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
     prompt_ids = encode(prompts) if prompts else []
     reasoning_ids = encode([r["reasoning"] for r in records]) if records else []
     content_ids = encode([r["content"] or "" for r in records]) if records else []
-    sequences, rejected = [], []
+    text_completions = [completion_ids_from_text(reasoning_ids[i], content_ids[i], record, spec)
+                        for i, record in enumerate(records)]
+    request_completion_tokens = _group_counts(records, [len(ids) for ids in text_completions])
+    shard = ShardSequences()
     for i, record in enumerate(records):
-        text_prompt = prompt_ids[i]
-        text_completion = completion_ids_from_text(reasoning_ids[i], content_ids[i], record, spec)
-        text_ids = text_prompt + text_completion
+        text_prompt, text_completion = prompt_ids[i], text_completions[i]
         server_prompt, server_completion = record.get("prompt_token_ids"), record.get("completion_token_ids")
-        if server_prompt is not None and server_completion is not None:
-            ids, cut, source = server_prompt + server_completion, len(server_prompt), "server"
-            diff = first_difference(ids, text_ids)
-            agrees: bool | None = diff is None
+        has_ids = server_prompt is not None and server_completion is not None
+        if settings.source == "server" and not has_ids:
+            shard.reject(record["id"], "the server returned no token ids (sequences.source: server)")
+            continue
+        diff = first_difference(server_prompt + server_completion, text_prompt + text_completion) if has_ids \
+            else None
+        agrees = diff is None if has_ids else None
+        if has_ids and settings.source != "text":
+            prompt, completion, source = server_prompt, server_completion, "server"
         else:
-            ids, cut, source, diff, agrees = text_ids, len(text_prompt), "text", None, None
-        mask = prompt_mask(ids[:cut], spec, settings.supervise_template_start_tag) + [1] * (len(ids) - cut)
+            prompt, completion, source = text_prompt, text_completion, "text"
+            shard.rebuilt_from_text += 1
+            mismatch = count_mismatch(record, len(text_prompt), request_completion_tokens[i], profile)
+            if mismatch:
+                shard.count_mismatches += 1
+                shard.reject(record["id"], f"text rebuild disagrees with the server's counts: {mismatch}")
+                continue
+        if profile.single_token_tags and (miscount := think_end_miscount(completion, record, spec)):
+            shard.reject(record["id"], miscount)
+            continue
+        ids = prompt + completion
+        mask = prompt_mask(prompt, spec, settings.supervise_template_start_tag) + [1] * len(completion)
         if len(ids) > settings.max_seq_len:
             if settings.over_length == "drop":
-                rejected.append({"id": record["id"], "stage": "sequences",
-                                 "reason": f"{len(ids)} tokens > sequences.max_seq_len {settings.max_seq_len}"})
+                shard.reject(record["id"], f"{len(ids)} tokens > sequences.max_seq_len {settings.max_seq_len}")
                 continue
             ids, mask = ids[: settings.max_seq_len], mask[: settings.max_seq_len]
-        sequences.append(Sequence(record["id"], ids, mask, source, agrees, diff))
-    return sequences, rejected
+        shard.sequences.append(Sequence(record["id"], ids, mask, source, agrees, diff))
+    return shard
 
 
 def to_parquet(sequences: list[Sequence]) -> bytes:
@@ -140,14 +218,27 @@ def build_sequence_shard(
     tokenizer: str,
     tokenizer_fingerprint: str,
     settings: SequencesConfig,
+    max_rebuild_mismatch_rate: float,
     output_uri: str,
     run_name: str,
 ) -> ShardRef:
-    """sequences/shard-NNNNN.parquet from a validated generations shard."""
+    """sequences/shard-NNNNN.parquet from a validated generations shard.
+
+    Rejected samples are written first, so a shard stopped for too many count mismatches keeps its reasons.
+    """
     store = RunStore(output_uri, run_name)
     tok = load_tokenizer(tokenizer)
     spec = discover_think_tokens(tok, profile)
-    sequences, rejected = build_sequences(store.read_shard_records(generations), tok, profile, spec, settings)
-    if rejected:
-        store.write_jsonl(rejected_path("sequences", generations.index), rejected)
-    return store.write_shard_bytes("sequences", generations.index, to_parquet(sequences), len(sequences))
+    shard = build_sequences(store.read_shard_records(generations), tok, profile, spec, settings)
+    if shard.rejected:
+        store.write_jsonl(rejected_path("sequences", generations.index), shard.rejected)
+    rate = shard.count_mismatches / shard.rebuilt_from_text if shard.rebuilt_from_text else 0.0
+    if rate > max_rebuild_mismatch_rate:
+        raise RebuildMismatch(
+            f"shard {generations.index:05d}: {shard.count_mismatches} of {shard.rebuilt_from_text} text-rebuilt "
+            f"samples disagree with the server's token counts ({rate:.1%} > validation.max_rebuild_mismatch_rate "
+            f"{max_rebuild_mismatch_rate:.1%}): see {rejected_path('sequences', generations.index)} for each cause; "
+            "use a server that returns token ids (vLLM >= 0.10.2) for exact sequences"
+        )
+    return store.write_shard_bytes("sequences", generations.index, to_parquet(shard.sequences),
+                                   len(shard.sequences))

@@ -38,6 +38,7 @@ class ShardValidation:
     leaked_tags: int
     duplicate_ids: int
     token_text_mismatch: int
+    think_end_miscount: int  # completions whose ids carry other than one think-end id (at most one if truncated)
     reasoning_split_inline: int
     status: str
     reasons: list[str] = field(default_factory=list)
@@ -48,7 +49,7 @@ class ShardValidation:
     def as_dict(self) -> dict[str, Any]:
         counts = asdict(self)
         names = ("empty_reasoning", "empty_content", "truncated", "leaked_tags", "duplicate_ids",
-                 "token_text_mismatch")
+                 "token_text_mismatch", "think_end_miscount")
         counts["rates"] = {name: round(self.rate(counts[name]), 6) for name in names}
         return counts
 
@@ -73,12 +74,15 @@ def validate_records(
     """Count what can silently ruin training data and decide pass or quarantine."""
     tags = (profile.think_start, profile.think_end)
     ids = Counter(r["id"] for r in records)
-    mismatch = 0
+    mismatch = miscount = 0
     if decode is not None and spec is not None:
         for record in records:
             token_ids = record.get("completion_token_ids")
-            if token_ids is not None and decode(token_ids) != expected_completion_text(record, spec):
-                mismatch += 1
+            if token_ids is None:
+                continue
+            mismatch += decode(token_ids) != expected_completion_text(record, spec)
+            ends = token_ids.count(spec.end_id)
+            miscount += ends > 1 or (ends == 0 and record["finish_reason"] != "length")
     result = ShardValidation(
         index=index,
         records=len(records),
@@ -88,6 +92,7 @@ def validate_records(
         leaked_tags=sum(any(t in r["reasoning"] or t in (r["content"] or "") for t in tags) for r in records),
         duplicate_ids=sum(n - 1 for n in ids.values()),
         token_text_mismatch=mismatch,
+        think_end_miscount=miscount,
         reasoning_split_inline=sum(r.get("reasoning_source") == "inline" for r in records),
         status="pass",
     )
@@ -96,10 +101,14 @@ def validate_records(
         ("empty_reasoning", thresholds.max_empty_reasoning_rate),
         ("empty_content", thresholds.max_empty_content_rate),
         ("truncated", thresholds.max_truncated_rate),
+        ("leaked_tags", thresholds.max_leaked_tags_rate),
+        ("token_text_mismatch", thresholds.max_token_text_mismatch_rate),
+        ("think_end_miscount", thresholds.max_token_text_mismatch_rate),
     ):
         rate = result.rate(getattr(result, name))
         if rate > limit:
-            reasons.append(f"{name} rate {rate:.1%} > validation.max_{name}_rate {limit:.1%}")
+            setting = "max_token_text_mismatch_rate" if name == "think_end_miscount" else f"max_{name}_rate"
+            reasons.append(f"{name} rate {rate:.1%} > validation.{setting} {limit:.1%}")
     if result.duplicate_ids:
         reasons.append(f"{result.duplicate_ids} duplicate ids")
     if not reasons:

@@ -84,6 +84,7 @@ class Script:
     tokenizer: Any = None  # a HF tokenizer: token ids become real encodings of the prompt and the completion
     max_model_len: int | None = None  # a longer prompt + max_tokens is refused with HTTP 400, as vLLM does
     report_max_model_len: bool = True  # in /v1/models (servers other than vLLM may not)
+    strip_reasoning_whitespace: bool = False  # as vLLM's kimi_k2 parser: the text loses what the ids kept
     max_running: int | None = None  # like vLLM's max_num_seqs: more requests wait in a queue before they run
     serve_metrics: bool = True  # vLLM's load gauges at /metrics (running, waiting, KV-cache usage)
 
@@ -319,6 +320,8 @@ class ScriptedServer:
 
     def _completion(self, body: dict[str, Any], message: dict[str, Any]) -> dict[str, Any]:
         prompt_ids, completion_ids = self._token_ids(body, message)
+        if self.script.strip_reasoning_whitespace and message.get("reasoning"):
+            message = {**message, "reasoning": message["reasoning"].rstrip()}
         payload: dict[str, Any] = {
             "id": "chatcmpl-scripted",
             "object": "chat.completion",

@@ -40,6 +40,7 @@ def generate(
     settings: GenerationSettings,
     server: ServerConfig,
     validation: ValidationConfig,
+    sequence_source: str,
     output_uri: str,
     run_name: str,
 ) -> list[ShardRef]:
@@ -49,7 +50,8 @@ def generate(
     wrote to the next stages: its error carries them (see `generated_shards`).
     """
     store = RunStore(output_uri, run_name)
-    scheduler = GenerationScheduler(store, settings, server, validation, get_run_logger())
+    scheduler = GenerationScheduler(store, settings, server, validation, get_run_logger(),
+                                    sequence_source=sequence_source)
 
     def in_flight() -> int:
         pool = getattr(scheduler, "pool", None)  # built once the run starts

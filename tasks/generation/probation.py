@@ -80,8 +80,9 @@ class Probation:
     """Lets the first `size` requests of a run out, judges their answers as they come, then opens or aborts."""
 
     def __init__(self, size: int, endpoints: list[str], model: str, profile: ModelProfile,
-                 validation: ValidationConfig) -> None:
+                 validation: ValidationConfig, sequence_source: str = "auto") -> None:
         self.size = size
+        self._sequence_source = sequence_source
         self._endpoints = endpoints
         self._model = model
         self._profile = profile
@@ -141,13 +142,14 @@ class Probation:
             return True
         try:
             for done in completions:
-                check_form(endpoint, [self._model], done, self._profile, self._validation.allow_inline_reasoning)
+                check_form(endpoint, [self._model], done, self._profile, self._validation.allow_inline_reasoning,
+                           self._sequence_source)
         except ServerCheckFailed as failure:
             self._decide(failure)
             return False
         seen.append(completions[0])
         if len(seen) == self._validation.probe_requests:
-            self.findings[endpoint] = reasoning_facts(seen)
+            self.findings[endpoint] = reasoning_facts(seen, self._sequence_source)
         return True
 
     def _judge(self) -> None:

@@ -88,8 +88,9 @@ class GenerationScheduler:
 
     def __init__(self, store: RunStore, settings: GenerationSettings, server: ServerConfig,
                  validation: ValidationConfig, log: Log, progress_every_s: float = 5.0,
-                 on_progress: Callable[[float], None] | None = None) -> None:
+                 on_progress: Callable[[float], None] | None = None, sequence_source: str = "auto") -> None:
         self.store = store
+        self.sequence_source = sequence_source  # sequences.source: whether servers without token ids are refused
         self.settings = settings
         self.server = server
         self.validation = validation
@@ -145,7 +146,8 @@ class GenerationScheduler:
                    for url in self.server.endpoints]
         self.pool = EndpointPool([Endpoint(c.base_url, c, limit) for c in clients], self.server, self.log)
         self.probation = Probation(min(self.validation.early_abort_after, self.total), self.server.endpoints,
-                                   self.settings.model, self.settings.profile, self.validation)
+                                   self.settings.model, self.settings.profile, self.validation,
+                                   self.sequence_source)
         self.started_at, cpu_at_start = time.monotonic(), time.process_time()
         helpers = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_stalls())]
         if auto:
@@ -304,6 +306,11 @@ class GenerationScheduler:
     def _record_findings(self) -> None:
         """Add what each endpoint's first answers showed to the manifest's probe entries."""
         findings = self.probation.findings
+        for endpoint, facts in findings.items():
+            how = "the server's token ids" if facts["sequence_source"] == "server" else \
+                "text, each checked against the server's token counts"
+            self.log.info("probe: %s sends reasoning in `%s`; sequences are built from %s", endpoint,
+                          facts["reasoning_field"], how)
         if not findings or not self.store.exists(MANIFEST):
             return
         manifest = self.store.read_json(MANIFEST)
@@ -365,7 +372,9 @@ async def generate_async(
     log: Log,
     progress_every_s: float = 5.0,
     on_progress: Callable[[float], None] | None = None,
+    sequence_source: str = "auto",
 ) -> list[ShardRef]:
     """Generate every unfinished shard; returns the generation ShardRefs in shard order."""
-    scheduler = GenerationScheduler(store, settings, server, validation, log, progress_every_s, on_progress)
+    scheduler = GenerationScheduler(store, settings, server, validation, log, progress_every_s, on_progress,
+                                    sequence_source)
     return await scheduler.run(prompt_shards)

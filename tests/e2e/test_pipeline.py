@@ -342,10 +342,10 @@ def test_an_unwritable_output_uri_is_one_line_naming_it(tiny_model: Path, tmp_pa
 def test_a_server_check_error_is_the_last_line_and_its_traceback_is_in_the_run_log(
         tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with ScriptedServer(Script(model=DEMO_MODEL_NAME, return_token_ids=False)) as server:
-        cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none")
+        cfg = config(tiny_model, server.url, tmp_path, hidden_states__backend="none", sequences__source="server")
         assert main(["run", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "returned no token ids" in err
+    assert err.count("\n") == 1 and "returns no token ids" in err
     log = re.search(r"\(details: (\S+\.log)\)$", err.strip())
     assert log and "Traceback" in Path(log.group(1)).read_text()
     assert manifest_of(tmp_path / "flow")["status"] == "failed"
@@ -416,3 +416,41 @@ def test_ctrl_c_ends_the_run_cancelled_with_one_line(tiny_model: Path, tmp_path:
     assert err.strip().splitlines()[-1].startswith("cancelled: stopped by Ctrl-C; run again to resume")
     assert "Traceback" not in err
     assert manifest_of(tmp_path / "flow")["status"] == "cancelled"
+
+
+def _sequences(run: Path) -> dict[str, tuple[list[int], str]]:
+    import pyarrow.parquet as pq
+
+    rows = [row for f in sorted((run / "sequences").glob("shard-*.parquet")) for row in pq.read_table(f).to_pylist()]
+    return {row["id"]: (row["input_ids"], row["source"]) for row in rows}
+
+
+def test_a_server_without_token_ids_gets_exact_sequences_from_text_and_a_lossy_parser_fails_the_run(
+        tiny_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """SGLang and hosted APIs send no token ids: the sequences are rebuilt from text and each is checked against the
+    server's usage counts. A parser that strips the reasoning's trailing whitespace (vLLM's kimi_k2) loses a token
+    the ids kept: every such sample is refused with that cause and the run ends Failed saying so."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    runs = {}
+    for name, script in (("ids", Script(model=DEMO_MODEL_NAME, tokenizer=tokenizer)),
+                         ("text", Script(model=DEMO_MODEL_NAME, tokenizer=tokenizer, return_token_ids=False)),
+                         ("stripped", Script(model=DEMO_MODEL_NAME, tokenizer=tokenizer, return_token_ids=False,
+                                             strip_reasoning_whitespace=True))):
+        with ScriptedServer(script) as server:
+            cfg = config(tiny_model, server.url, tmp_path / name, hidden_states__backend="none")
+            runs[name] = main(["run", "--config", write_config(tmp_path / f"{name}.yaml", cfg)])
+    assert (runs["ids"], runs["text"], runs["stripped"]) == (0, 0, 1), capsys.readouterr().err
+    from_ids, from_text = _sequences(tmp_path / "ids" / "flow"), _sequences(tmp_path / "text" / "flow")
+    assert len(from_text) == 24 and {source for _, source in from_text.values()} == {"text"}
+    assert {i: ids for i, (ids, _) in from_text.items()} == {i: ids for i, (ids, _) in from_ids.items()}
+    assert [p["sequence_source"] for p in manifest_of(tmp_path / "text" / "flow")["probe"]] == ["text"]
+
+    stripped = manifest_of(tmp_path / "stripped" / "flow")
+    assert stripped["status"] == "failed" and "disagree with the server's token counts" in stripped["cause"]
+    rejected = [json.loads(line) for line in
+                (tmp_path / "stripped" / "flow" / "rejected" / "sequences-shard-00000.jsonl").read_text().splitlines()]
+    assert len(rejected) == 16 and all("stripped whitespace from the end of the reasoning" in r["reason"]
+                                       for r in rejected)
+    assert not _sequences(tmp_path / "stripped" / "flow"), "no sample of a shard over the threshold is kept"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "disagree with the server's token counts" in err[-1]

@@ -15,11 +15,13 @@ from safetensors.torch import load_file
 
 from cli.demo import demo_config
 from cli.runner import run_pipeline
-from eagle3_datagen.config import PipelineConfig, parse_config
+from eagle3_datagen.config import PipelineConfig, SequencesConfig, parse_config
+from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.testing.vllm_server import LocalVLLMServer
-from eagle3_datagen.think_tokens import load_tokenizer
+from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
 from tasks.generation import GenerationError
 from tasks.health import ServerCheckFailed
+from tasks.sequences import build_sequences
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("prefect_api")]
 
@@ -57,6 +59,15 @@ def test_the_demo_job_on_a_real_vllm_server(tiny_model: Path, vllm_server: Local
         assert masked.count(end) <= 1 and masked[0] == start, "the model's own single think ids"
         assert row["source"] == "server" and (row["agrees"] or row["first_diff"] is not None), \
             "the text rebuild agrees with the server's ids, or where it does not is recorded"
+
+    # the text rebuild, proven on the server's own answers: it agrees with the ids almost always, and where it
+    # does not, the usage counts every server returns flag it (none slips through into the training set)
+    profile = BUILTIN_PROFILES["qwen3"]
+    rebuilt = build_sequences(records, tokenizer, profile, discover_think_tokens(tokenizer, profile),
+                              SequencesConfig(source="text", max_seq_len=1 << 20))
+    slipped = [s.id for s in rebuilt.sequences if s.agrees is not True]
+    assert slipped == [], f"text rebuilds that differ from the server's ids yet passed the count check: {slipped}"
+    assert len(rebuilt.sequences) >= 0.99 * len(records), rebuilt.rejected
 
     hf = json.loads((tiny_model / "config.json").read_text())
     index = json.loads((run / "hidden_states" / "shard-00000" / "index.json").read_text())

@@ -39,7 +39,8 @@ def shard_rows(shard: int, lengths: list[int]) -> list[tuple[str, list[int], lis
     return [(f"{shard}-{k}", *row[1:]) for k, row in enumerate(random_rows(lengths, seed=shard))]
 
 
-def make_run(output_uri: str, target: TargetModel, shards: dict[int, list[int]] = SHARDS) -> RunStore:
+def make_run(output_uri: str, target: TargetModel, shards: dict[int, list[int]] = SHARDS,
+             dtype: str = "bfloat16") -> RunStore:
     """A run whose every shard has hidden states, as the pipeline leaves it (manifest, sequences, parts)."""
     store = RunStore(output_uri, "run")
     store.write_json(
@@ -51,7 +52,7 @@ def make_run(output_uri: str, target: TargetModel, shards: dict[int, list[int]] 
     )
     for shard, lengths in shards.items():
         sequences = write_sequences(store, shard, shard_rows(shard, lengths))
-        extract_shard(store, sequences, target, HiddenStatesConfig(dtype="bfloat16", part_size_bytes=20_000))
+        extract_shard(store, sequences, target, HiddenStatesConfig(dtype=dtype, part_size_bytes=20_000))
     return store
 
 
@@ -85,13 +86,14 @@ def test_specforge_files_load_with_weights_only_and_hold_the_after_norm_state(
     out = tmp_path / "run" / "exports" / "specforge"
     assert summary["num_samples"] == 9 and summary["final_state"] == "after_norm"
     assert summary["aux_layers"] == {"input_to_layer": AUX, "output_of_layer": [1, 3, 4]}
-    files = sorted(out.rglob("*.ckpt"))
-    assert len(files) == 9  # SpecForge walks the folder for *.ckpt
+    files = sorted(str(f) for f in out.rglob("*.ckpt"))  # SpecForge's listing: every *.ckpt, in string order
+    assert len(files) == 9
     ids = RunStore.at(str(out)).read_json("export.json")["samples"]
     rows = {row[0]: row for shard, lengths in SHARDS.items() for row in shard_rows(shard, lengths)}
     assert sorted(ids) == sorted(rows) and [i.split("-")[0] for i in ids] == sorted(i.split("-")[0] for i in ids)
     for i, sample_id in enumerate(ids):
-        [path] = list(out.rglob(f"data_{i}.ckpt"))
+        path = Path(files[i])  # the string order is the sample order of export.json
+        assert path.name == f"data_{i:09d}.ckpt"
         data = torch.load(path, weights_only=True)
         tokens = len(data["input_ids"])
         assert data["input_ids"].tolist() == rows[sample_id][1] and data["loss_mask"].tolist() == rows[sample_id][2]
@@ -141,6 +143,28 @@ def test_speculators_files_and_dataset_pair_up_with_the_before_norm_state(tmp_pa
         assert loaded["hidden_states"][:, :-1].flatten(1).shape == (tokens, 3 * HIDDEN)
 
 
+def test_specforge_features_are_bf16_from_a_float32_run_and_speculators_gets_token_frequencies(
+        tmp_path: Path, model_dir: str) -> None:
+    """SpecForge trains only on bf16 features; speculators sizes its draft vocabulary from token_freq.pt."""
+    make_run(str(tmp_path), load_target_model(model_dir, "float32", "cpu"), {0: [7, 12], 1: [9]}, dtype="float32")
+    summary = export_run(str(tmp_path / "run"), "specforge")
+    assert (summary["dtype"], summary["source_dtype"]) == ("bfloat16", "float32")
+    for path in (tmp_path / "run" / "exports" / "specforge").rglob("*.ckpt"):
+        data = torch.load(path, weights_only=True)
+        assert data["aux_hidden_state"].dtype == data["hidden_state"].dtype == torch.bfloat16
+
+    out = tmp_path / "for-speculators"
+    export_run(str(tmp_path / "run"), "speculators", str(out))
+    frequencies = torch.load(out / "token_freq.pt", weights_only=True)
+    expected: dict[int, int] = {}
+    for shard, lengths in {0: [7, 12], 1: [9]}.items():
+        for _, ids, mask in shard_rows(shard, lengths):
+            for token, masked in zip(ids, mask, strict=True):
+                if masked:
+                    expected[token] = expected.get(token, 0) + 1
+    assert frequencies == expected and sum(frequencies.values()) > 0
+
+
 def test_a_second_export_redoes_only_changed_shards(tmp_path: Path, bf16: TargetModel) -> None:
     make_run(str(tmp_path), bf16)
     run = str(tmp_path / "run")
@@ -156,11 +180,11 @@ def test_a_second_export_redoes_only_changed_shards(tmp_path: Path, bf16: Target
     assert summary["num_samples"] == 10
     after = {p.relative_to(out).as_posix(): p.stat().st_mtime_ns for p in out.rglob("*.ckpt")}
     assert len(after) == 10
-    assert all(after[f"shard-00000/{name}"] == times[name] for name in ("data_0.ckpt", "data_1.ckpt", "data_2.ckpt"))
+    assert all(after[f"shard-00000/{name}"] == times[name] for name in (f"data_{i:09d}.ckpt" for i in range(3)))
     assert sorted(after) == sorted(
-        [f"shard-00000/data_{i}.ckpt" for i in range(3)]
-        + [f"shard-00001/data_{i}.ckpt" for i in range(3, 6)]
-        + [f"shard-00002/data_{i}.ckpt" for i in range(6, 10)]
+        [f"shard-00000/data_{i:09d}.ckpt" for i in range(3)]
+        + [f"shard-00001/data_{i:09d}.ckpt" for i in range(3, 6)]
+        + [f"shard-00002/data_{i:09d}.ckpt" for i in range(6, 10)]
     )
     ids = RunStore.at(str(out)).read_json("export.json")["samples"]
     assert sorted(ids[3:6]) == ["1-0", "1-1", "1-2"]

@@ -66,7 +66,7 @@ def test_request_puts_template_switch_and_token_ids_at_top_level() -> None:
     assert "extra_body" not in sent
 
 
-def _generate(url: str, tmp_path: Path, **validation: object) -> RunStore:
+def _generate(url: str, tmp_path: Path, sequence_source: str = "auto", **validation: object) -> RunStore:
     """Generate four prompts: each endpoint's first answers are the probe."""
     store = RunStore(str(tmp_path), "probe")
     rows = [{"id": f"p{i}", "row": i, "messages": [{"role": "user", "content": f"{QUESTION} ({i})"}]}
@@ -75,7 +75,7 @@ def _generate(url: str, tmp_path: Path, **validation: object) -> RunStore:
     asyncio.run(generate_async(store, refs, GenerationSettings("scripted-model", QWEN3, GenerationConfig(max_tokens=64),
                                                                "t"),
                                ServerConfig(endpoints=[url], max_in_flight=4), ValidationConfig(**validation),
-                               logging.getLogger("test")))
+                               logging.getLogger("test"), sequence_source=sequence_source))
     return store
 
 
@@ -86,10 +86,9 @@ def _generate(url: str, tmp_path: Path, **validation: object) -> RunStore:
         (Script(shape="inline"), "--reasoning-parser qwen3"),
         (Script(shape="inline_with_start"), "--reasoning-parser qwen3"),
         (Script(shape="other_field"), "field(s) thinking that this run does not read"),
-        (Script(return_token_ids=False), "returned no token ids"),
         (Script(model="another-model"), "answered as model 'another-model'"),
     ],
-    ids=["thinking-off", "no-parser", "no-parser-start-tag", "unread-field", "no-token-ids", "wrong-model"],
+    ids=["thinking-off", "no-parser", "no-parser-start-tag", "unread-field", "wrong-model"],
 )
 def test_the_first_answers_stop_each_failure_with_its_fix(script: Script, fix: str, tmp_path: Path) -> None:
     with ScriptedServer(script) as server, pytest.raises(UserError) as failure:
@@ -97,6 +96,16 @@ def test_the_first_answers_stop_each_failure_with_its_fix(script: Script, fix: s
     assert fix in str(failure.value)
     assert "\n" not in str(failure.value)
     assert not list((tmp_path / "probe" / "generations").glob("shard-*[0-9].jsonl")), "no shard kept"
+
+
+def test_a_server_without_token_ids_is_used_through_text_unless_its_ids_are_asked_for(tmp_path: Path) -> None:
+    with ScriptedServer(Script(return_token_ids=False)) as server:
+        store = _generate(server.url, tmp_path / "auto")
+        with pytest.raises(UserError) as refused:
+            _generate(server.url, tmp_path / "server", sequence_source="server")
+    records = store.read_jsonl("generations/shard-00000.jsonl")
+    assert len(records) == 4 and all(r["completion_token_ids"] is None and r["usage"] for r in records)
+    assert "returns no token ids" in str(refused.value) and "set sequences.source: auto" in str(refused.value)
 
 
 def test_inline_reasoning_is_accepted_when_the_config_allows_it(tmp_path: Path) -> None:

@@ -35,8 +35,23 @@ def _record(question: str, reasoning: str, content: str, finish: str = "stop", *
             "content": content, "finish_reason": finish, **extra}
 
 
+def _served(kimi, record: dict, generated_reasoning: str | None = None) -> dict:  # type: ignore[no-untyped-def]
+    """The record with the usage counts a server reports: its template's prompt, and the tokens the model
+    generated (`generated_reasoning` when the parser changed the reasoning text afterwards)."""
+    prompt = kimi.apply_chat_template(record["messages"], add_generation_prompt=True, thinking=True,
+                                      return_dict=True)["input_ids"]
+    reasoning = record["reasoning"] if generated_reasoning is None else generated_reasoning
+    completion = kimi.encode(reasoning, add_special_tokens=False)
+    if record["finish_reason"] == "stop":
+        completion += [END_THINK, *kimi.encode(record["content"], add_special_tokens=False), IM_END]
+    return {**record, "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion)}}
+
+
 def _build(kimi, spec, records, **settings):  # type: ignore[no-untyped-def]
-    return build_sequences(records, kimi, KIMI, spec, SequencesConfig(**settings))
+    """Sequences and rejections of records served with honest usage counts (unless a record brings its own)."""
+    served = [record if "usage" in record else _served(kimi, record) for record in records]
+    shard = build_sequences(served, kimi, KIMI, spec, SequencesConfig(**settings))
+    return shard.sequences, shard.rejected
 
 
 def test_kimi_think_tokens_are_discovered_and_proven(spec) -> None:  # type: ignore[no-untyped-def]
@@ -88,18 +103,24 @@ def test_the_template_trap_is_shown_and_avoided(kimi, spec) -> None:  # type: ig
 
 
 def test_server_ids_win_and_disagreement_is_located(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    """A literal `</think>` written by the model is several tokens in its ids; re-encoded from text it becomes the
+    think-end id: the text rebuild is refused (two think-end ids), the server's ids are kept and the first
+    difference is located."""
     record = _record("Say </think> please", "I must write </think> as text.", "ok")
-    [text_only], _ = _build(kimi, spec, [record])
-    cut = text_only.loss_mask.index(1)
+    [plain], _ = _build(kimi, spec, [_record("Say </think> please", "x", "ok")])
+    prompt = plain.input_ids[: plain.loss_mask.index(1)]
     spelled = kimi.encode("I must write ", add_special_tokens=False) + kimi.encode("</", add_special_tokens=False) \
         + kimi.encode("think> as text.", add_special_tokens=False)
     server_completion = [*spelled, END_THINK, *kimi.encode("ok", add_special_tokens=False), IM_END]
-    record = {**record, "prompt_token_ids": text_only.input_ids[:cut], "completion_token_ids": server_completion}
-    [sequence], _ = _build(kimi, spec, [record])
-    assert sequence.source == "server"
-    assert sequence.input_ids == text_only.input_ids[:cut] + server_completion
+    usage = {"prompt_tokens": len(prompt), "completion_tokens": len(server_completion)}
+    _, [refused] = _build(kimi, spec, [{**record, "usage": usage}], source="text")
+    assert "think-end" in refused["reason"] or "counts" in refused["reason"], refused
+    record = {**record, "prompt_token_ids": prompt, "completion_token_ids": server_completion, "usage": usage}
+    [sequence], rejected = _build(kimi, spec, [record])
+    assert rejected == [] and sequence.source == "server"
+    assert sequence.input_ids == prompt + server_completion
     assert sequence.agrees is False
-    assert sequence.first_diff == text_only.input_ids.index(END_THINK, cut)
+    assert sequence.first_diff == len(prompt) + len(kimi.encode("I must write ", add_special_tokens=False))
 
 
 def test_server_ids_that_match_the_text_agree(kimi, spec) -> None:  # type: ignore[no-untyped-def]
@@ -159,3 +180,59 @@ def test_parquet_loads_with_datasets(kimi, spec, tmp_path) -> None:  # type: ign
     loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "run/sequences/*.parquet"), split="train")
     assert loaded["id"] == ["s1", "s2"]
     assert loaded[0]["input_ids"] == sequences[0].input_ids and loaded[0]["num_tokens"] == len(sequences[0].input_ids)
+
+
+def test_a_text_rebuild_is_kept_only_when_the_servers_counts_agree(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's kimi_k2 parser strips trailing whitespace from the reasoning: the text has lost a token the model
+    generated, the counts say so, and the sample is refused with that cause instead of trained on."""
+    honest = {**_record("q", "thinking it over", "fine"), "id": "honest"}
+    stripped = _served(kimi, {**_record("q", "thinking it over", "fine"), "id": "stripped"},
+                       generated_reasoning="thinking it over\n\n")
+    kept, [refused] = _build(kimi, spec, [honest, stripped])
+    assert [s.id for s in kept] == ["honest"] and kept[0].source == "text"
+    assert refused["id"] == "stripped" and "stripped whitespace from the end of the reasoning" in refused["reason"]
+
+
+def test_a_rebuild_without_usage_counts_is_never_trained_on(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    kept, [refused] = _build(kimi, spec, [{**_record("q", "r", "c"), "usage": {}}])
+    assert kept == [] and "no usage counts" in refused["reason"]
+
+
+def test_a_prompt_rendered_differently_is_named(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    record = _served(kimi, _record("q", "r", "c"))
+    record["usage"]["prompt_tokens"] += 3  # e.g. a system prompt the served template adds
+    _, [refused] = _build(kimi, spec, [record])
+    assert "model.tokenizer or its chat template differs" in refused["reason"]
+
+
+def test_samples_of_one_request_are_counted_together(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    """With n > 1 the server's usage counts every sample of the request together."""
+    first, second = (_served(kimi, {**_record("q", f"thought {k}", f"answer {k}"), "id": f"p:{k}"}) for k in (0, 1))
+    together = {"prompt_tokens": first["usage"]["prompt_tokens"],
+                "completion_tokens": first["usage"]["completion_tokens"] + second["usage"]["completion_tokens"]}
+    kept, rejected = _build(kimi, spec, [{**first, "usage": together}, {**second, "usage": together}])
+    assert rejected == [] and [s.id for s in kept] == ["p:0", "p:1"]
+
+
+def test_the_source_setting_decides_which_ids_are_kept(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    [built], _ = _build(kimi, spec, [_record("hello", "hmm", "hi")])
+    cut = built.loss_mask.index(1)
+    with_ids = _record("hello", "hmm", "hi", prompt_token_ids=built.input_ids[:cut],
+                       completion_token_ids=built.input_ids[cut:])
+    [auto], _ = _build(kimi, spec, [with_ids])
+    [text], _ = _build(kimi, spec, [with_ids], source="text")
+    assert (auto.source, text.source) == ("server", "text") and text.agrees is True
+    _, [refused] = _build(kimi, spec, [_record("hello", "hmm", "hi")], source="server")
+    assert "no token ids (sequences.source: server)" in refused["reason"]
+
+
+def test_server_ids_with_two_think_ends_are_refused(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    """The kimi_k2 parser removes a second `</think>` from the answer text; the ids keep it, and a sequence built
+    from them would supervise two: refused with the cause."""
+    [built], _ = _build(kimi, spec, [_record("q", "r", "c")])
+    cut = built.loss_mask.index(1)
+    completion = built.input_ids[cut:]
+    doubled = [*completion[:-1], END_THINK, IM_END]
+    record = _record("q", "r", "c", prompt_token_ids=built.input_ids[:cut], completion_token_ids=doubled)
+    kept, [refused] = _build(kimi, spec, [record])
+    assert kept == [] and refused["reason"].startswith("2 think-end tokens (163607) in the completion, not 1")
