@@ -97,14 +97,18 @@ def prompt_mask(prompt_ids: list[int], spec: ThinkTokenSpec, supervise_start_tag
     return mask
 
 
-def think_end_miscount(completion_ids: list[int], record: dict[str, Any], spec: ThinkTokenSpec) -> str | None:
-    """Why a completion does not carry exactly one think-end id (at most one when cut by max_tokens); else None."""
+def think_end_miscount(completion_ids: list[int], spec: ThinkTokenSpec) -> str | None:
+    """Why a completion carries more than one think-end id; else None.
+
+    The model closes its reasoning once: a second think-end id is one the server's parser took out of the answer
+    text (vLLM's kimi_k2 does), and a sequence would supervise both. None (reasoning never closed, or cut by
+    max_tokens) is what the model did and stays exact; validation counts it.
+    """
     found = completion_ids.count(spec.end_id)
-    if found == 1 or (found == 0 and record["finish_reason"] == "length"):
+    if found <= 1:
         return None
-    where = "the answer text lost one the model generated (the server's parser removed it)" if found > 1 else \
-        "the model never closed its reasoning"
-    return f"{found} think-end tokens ({spec.end_id}) in the completion, not 1: {where}"
+    return (f"{found} think-end tokens ({spec.end_id}) in the completion, not 1: the server's parser took one out "
+            "of the answer text")
 
 
 def count_mismatch(record: dict[str, Any], prompt_tokens: int, completion_tokens: int,
@@ -178,7 +182,7 @@ def build_sequences(
                 shard.count_mismatches += 1
                 shard.reject(record["id"], f"text rebuild disagrees with the server's counts: {mismatch}")
                 continue
-        if profile.single_token_tags and (miscount := think_end_miscount(completion, record, spec)):
+        if profile.single_token_tags and (miscount := think_end_miscount(completion, spec)):
             shard.reject(record["id"], miscount)
             continue
         ids = prompt + completion

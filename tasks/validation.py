@@ -38,7 +38,8 @@ class ShardValidation:
     leaked_tags: int
     duplicate_ids: int
     token_text_mismatch: int
-    think_end_miscount: int  # completions whose ids carry other than one think-end id (at most one if truncated)
+    think_end_miscount: int  # completions whose ids carry more than one think-end id (a parser changed the text)
+    unclosed_reasoning: int  # completions that ended without closing their reasoning (no think-end id)
     reasoning_split_inline: int
     status: str
     reasons: list[str] = field(default_factory=list)
@@ -54,12 +55,15 @@ class ShardValidation:
         return counts
 
 
-def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec) -> str:
-    """The completion text the server's token ids should decode to, rebuilt from reasoning and content."""
+def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec, closed: bool = True) -> str:
+    """The completion text the server's token ids should decode to, rebuilt from reasoning and content.
+
+    `closed`: the ids hold a think-end id (a model that never closed its reasoning has none to decode).
+    """
     text = ("" if spec.template_writes_start_tag else spec.think_start) + record["reasoning"]
     if record["finish_reason"] == "length" and not record["content"]:
         return text
-    text += spec.think_end + record["content"]
+    text += (spec.think_end if closed else "") + (record["content"] or "")
     return text + spec.end_of_turn if record["finish_reason"] == "stop" else text
 
 
@@ -74,15 +78,16 @@ def validate_records(
     """Count what can silently ruin training data and decide pass or quarantine."""
     tags = (profile.think_start, profile.think_end)
     ids = Counter(r["id"] for r in records)
-    mismatch = miscount = 0
+    mismatch = miscount = unclosed = 0
     if decode is not None and spec is not None:
         for record in records:
             token_ids = record.get("completion_token_ids")
             if token_ids is None:
                 continue
-            mismatch += decode(token_ids) != expected_completion_text(record, spec)
             ends = token_ids.count(spec.end_id)
-            miscount += ends > 1 or (ends == 0 and record["finish_reason"] != "length")
+            mismatch += decode(token_ids) != expected_completion_text(record, spec, closed=ends > 0)
+            miscount += ends > 1
+            unclosed += ends == 0 and record["finish_reason"] != "length"
     result = ShardValidation(
         index=index,
         records=len(records),
@@ -93,6 +98,7 @@ def validate_records(
         duplicate_ids=sum(n - 1 for n in ids.values()),
         token_text_mismatch=mismatch,
         think_end_miscount=miscount,
+        unclosed_reasoning=unclosed,
         reasoning_split_inline=sum(r.get("reasoning_source") == "inline" for r in records),
         status="pass",
     )

@@ -5,7 +5,11 @@ Nothing is downloaded: the tokenizer is trained here with `tokenizers`, and a ~0
 answers in Qwen3's format, `<think>\\n{reasoning}\\n</think>\\n\\n{answer}<|im_end|>`, which vLLM's `qwen3`
 reasoning parser splits into `reasoning` and `content`. Deterministic: the same seed gives the same bytes.
 
-Usage: `python -m eagle3_datagen.testing.tiny_model --out build/tiny-model`.
+With `--kimi-tokenizer DIR` (the real Kimi-K2.5 vocabulary, 163,840 ids) it builds the same model on Kimi's
+tokenizer and template instead, trained to answer `{reasoning}</think>{answer}<|im_end|>` after the template's
+`<think>`, which vLLM's `kimi_k2` parser splits.
+
+Usage: `python -m eagle3_datagen.testing.tiny_model --out build/tiny-model [--kimi-tokenizer DIR]`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as transformers_logging
 
 DEMO_QUESTIONS = Path(__file__).parents[1] / "data" / "demo_questions.jsonl"
@@ -345,8 +349,90 @@ def build_tiny_model(out_dir: Path, seed: int = 0, steps: int = 250) -> Path:
     return out_dir
 
 
+KIMI_IM_END_ID, KIMI_EOS_ID, KIMI_BOS_ID, KIMI_PAD_ID = 163586, 163585, 163584, 163839
+
+
+def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, steps: int = 250) -> Path:
+    """The tiny model on the real Kimi-K2.5 vocabulary and template; same seed, same bytes."""
+    out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = (tokenizer_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    rng = random.Random(seed)
+    rows = []
+    for index, (messages, reasoning, answer) in enumerate(_training_conversations(rng, count=1600)):
+        thinking = index % 10 != 0  # instant mode too: the template pre-fills `<think></think>`
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                               thinking=thinking)
+        reply = f"{reasoning}{THINK_END}{answer}{IM_END}" if thinking else f"{answer}{IM_END}"
+        rows.append((tokenizer.encode(prompt, add_special_tokens=False),
+                     tokenizer.encode(reply, add_special_tokens=False)))
+    # Trained on the ids the data uses (a few hundred): a 163,840-row embedding updated every step costs minutes.
+    # Then widened to the whole vocabulary, where a few steps on the embedding alone teach the model never to
+    # answer with an id it has not seen.
+    used = sorted({KIMI_IM_END_ID, KIMI_EOS_ID, KIMI_BOS_ID, KIMI_PAD_ID} | {i for p, r in rows for i in p + r})
+    compact = {token: k for k, token in enumerate(used)}
+    shape = {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 8, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 2048, "tie_word_embeddings": True}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            small = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(used), **shape))
+            small = _train(small, [([compact[i] for i in p], [compact[i] for i in r]) for p, r in rows], rng,
+                           compact[KIMI_PAD_ID], steps)
+            model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), bos_token_id=KIMI_BOS_ID,
+                                                 eos_token_id=KIMI_IM_END_ID, pad_token_id=KIMI_PAD_ID, **shape))
+            weights = small.state_dict()
+            trained = weights.pop("model.embed_tokens.weight")
+            weights.pop("lm_head.weight", None)
+            missing, unexpected = model.load_state_dict(weights, strict=False)
+            assert not unexpected and set(missing) <= {"model.embed_tokens.weight", "lm_head.weight"}, missing
+            with torch.no_grad():
+                model.model.embed_tokens.weight.zero_()
+                model.model.embed_tokens.weight[torch.tensor(used)] = trained
+            model.tie_weights()
+            _settle_unused_ids(model, rows, rng, KIMI_PAD_ID)
+    finally:
+        torch.set_num_threads(threads)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(
+        bos_token_id=KIMI_BOS_ID, eos_token_id=[KIMI_IM_END_ID, KIMI_EOS_ID], pad_token_id=KIMI_PAD_ID,
+        do_sample=True, temperature=0.7, top_p=0.9,
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def _settle_unused_ids(model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random,
+                       pad_id: int, steps: int = 40) -> None:
+    """Train the (tied) embedding alone on the replies over the whole vocabulary: unused ids' logits sink.
+
+    Logits are computed only where a reply token is predicted, which keeps each step small.
+    """
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name == "model.embed_tokens.weight")
+    optimizer = torch.optim.Adam([model.model.embed_tokens.weight], lr=1e-2)
+    batches = _batches(rows, batch_size=16, rng=rng, pad_id=pad_id)
+    model.train()
+    for _ in range(steps):
+        ids, labels = next(batches)
+        hidden = model.model(input_ids=ids).last_hidden_state
+        targets = labels[:, 1:]
+        predicted = targets != -100
+        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][predicted]), targets[predicted])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for parameter in model.parameters():
+        parameter.requires_grad_(True)
+    model.eval()
+
+
 def _train(
-    model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random, pad_id: int, steps: int
+    model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random, pad_id: int, steps: int,
+    batch_size: int = 32,
 ) -> Qwen3ForCausalLM:
     """A short deterministic AdamW run on the replies only (the prompts are not the model's to learn)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
@@ -355,7 +441,7 @@ def _train(
         optimizer, lambda step: min((step + 1) / 20, (steps - step) / (steps - 20))
     )
     model.train()
-    batches = _batches(rows, batch_size=32, rng=rng, pad_id=pad_id)
+    batches = _batches(rows, batch_size=batch_size, rng=rng, pad_id=pad_id)
     for _ in range(steps):
         ids, labels = next(batches)
         loss = model(input_ids=ids, labels=labels).loss  # right padding: causal attention never sees it
@@ -371,10 +457,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder to write the model into")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kimi-tokenizer", type=Path, help="build on this Kimi-K2.5 tokenizer folder instead")
     args = parser.parse_args()
     transformers_logging.disable_progress_bar()
     started = time.monotonic()
-    out_dir = build_tiny_model(args.out, seed=args.seed)
+    if args.kimi_tokenizer:
+        out_dir = build_tiny_kimi_model(args.out, args.kimi_tokenizer, seed=args.seed)
+    else:
+        out_dir = build_tiny_model(args.out, seed=args.seed)
     params = sum(t.numel() for t in load_file(out_dir / "model.safetensors").values())
     print(f"tiny model ({params:,} parameters) written to {out_dir} in {time.monotonic() - started:.0f} s")
 

@@ -98,3 +98,13 @@ def test_ids_with_a_second_think_end_are_counted_and_quarantine_the_shard() -> N
 def test_a_clean_shard_passes_every_exactness_threshold() -> None:
     report = validate_records(0, [_record(i) for i in range(20)], KIMI, ValidationConfig(), _decode, SPEC)
     assert (report.status, report.think_end_miscount, report.token_text_mismatch) == ("pass", 0, 0)
+
+
+def test_reasoning_never_closed_is_counted_but_is_not_a_mismatch() -> None:
+    """The model ended its turn inside its reasoning: what it did, exactly; counted, not quarantined."""
+    unclosed = {"id": "u", "reasoning": "thinking", "content": "", "finish_reason": "stop",
+                "completion_token_ids": [7, 3]}
+    report = validate_records(0, [_record(i) for i in range(9)] + [unclosed], KIMI, ValidationConfig(), _decode,
+                              SPEC)
+    assert (report.unclosed_reasoning, report.think_end_miscount, report.token_text_mismatch) == (1, 0, 0)
+    assert report.status == "pass"

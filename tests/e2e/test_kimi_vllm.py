@@ -1,0 +1,101 @@
+"""Kimi-K2.5 end to end against the real thing: vLLM's own `kimi_k2` reasoning parser, serving a tiny model on the
+real Kimi-K2.5 vocabulary (163,840 ids) and template, run with the `kimi-k2.5` profile.
+
+Every sequence must be the server's ids with the template's `<think>` (163606) in the prompt, one `</think>`
+(163607) in the supervised part, the loss mask on reasoning + answer + end of turn only; multi-turn prompts keep
+earlier turns as the template renders them (their reasoning dropped, `<think></think>` in its place); and a
+profile that switches thinking off is stopped by the first answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from cli.demo import demo_config
+from cli.runner import run_pipeline
+from eagle3_datagen.config import parse_config
+from eagle3_datagen.testing.tiny_model import build_tiny_kimi_model
+from eagle3_datagen.testing.vllm_server import LocalVLLMServer
+from tasks.generation import GenerationError
+
+KIMI_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "kimi-k2.5"
+THINK, END_THINK, IM_END = 163606, 163607, 163586
+
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("prefect_api"),
+              pytest.mark.skipif(not KIMI_TOKENIZER.is_dir(), reason="../shared/tokenizers/kimi-k2.5 is absent")]
+
+
+@pytest.fixture(scope="module")
+def kimi_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """$EAGLE3_TINY_KIMI when it is built (`make setup` builds it), else a fresh build (a minute or two)."""
+    given = os.environ.get("EAGLE3_TINY_KIMI")
+    if given and (Path(given) / "model.safetensors").is_file():
+        return Path(given)
+    return build_tiny_kimi_model(tmp_path_factory.mktemp("tiny-kimi"), KIMI_TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def kimi_server(kimi_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalVLLMServer]:
+    log_path = tmp_path_factory.mktemp("vllm-kimi") / "server.log"
+    with LocalVLLMServer(kimi_model, served_name="tiny-kimi", reasoning_parser="kimi_k2", log_path=log_path) as server:
+        yield server
+
+
+def kimi_config(model: Path, server: LocalVLLMServer, output: Path, **sections: Any) -> Any:
+    tree = demo_config(model, server.url, output, run_name="kimi").model_dump(mode="json")
+    tree["model"] = {"name": server.served_name, "profile": "kimi-k2.5", "tokenizer": str(model)}
+    tree["hidden_states"] = {"backend": "none"}
+    tree.update(sections)
+    return parse_config(tree)
+
+
+def test_kimi_sequences_are_the_servers_ids_with_one_think_end_and_the_right_mask(
+        kimi_model: Path, kimi_server: LocalVLLMServer, tmp_path: Path) -> None:
+    run_pipeline(kimi_config(kimi_model, kimi_server, tmp_path))
+    run = tmp_path / "kimi"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "completed", manifest.get("cause")
+    assert (manifest["think_tokens"]["start_id"], manifest["think_tokens"]["end_id"]) == (THINK, END_THINK)
+    assert manifest["think_tokens"]["template_writes_start_tag"] is True
+    assert [p["reasoning_field"] for p in manifest["probe"]] == ["reasoning"], "vLLM's kimi_k2 sends `reasoning`"
+    records = {json.loads(line)["id"]: json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
+               for line in f.read_text().splitlines()}
+    rows = [row for f in sorted((run / "sequences").glob("shard-*.parquet")) for row in pq.read_table(f).to_pylist()]
+    assert len(rows) == len(records) >= 40
+    multi_turn = 0
+    for row in rows:
+        record = records[row["id"]]
+        prompt, completion = record["prompt_token_ids"], record["completion_token_ids"]
+        assert row["input_ids"] == prompt + completion and row["source"] == "server"
+        assert row["agrees"] is True, f"{row['id']}: the text rebuild differs at {row['first_diff']}"
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * len(completion), "reasoning + answer + end of turn"
+        assert prompt[-1] == THINK, "the template writes <think>"
+        assert completion.count(END_THINK) == 1 and completion[-1] == IM_END
+        if sum(m["role"] == "user" for m in record["messages"]) > 1:
+            multi_turn += 1
+            earlier = prompt[: -1]
+            assert earlier[earlier.index(THINK): earlier.index(THINK) + 2] == [THINK, END_THINK], \
+                "an earlier assistant turn renders an empty think block: its reasoning is dropped"
+    assert multi_turn >= 2, "the demo questions hold multi-turn prompts"
+
+
+def test_kimi_with_thinking_switched_off_is_stopped_by_its_first_answers(
+        kimi_model: Path, kimi_server: LocalVLLMServer, tmp_path: Path) -> None:
+    """Instant mode (`thinking: false`) sends no reasoning: a run meant to collect reasoning ends at once."""
+    instant = {"reasoning_parser": "kimi_k2", "chat_template_kwargs": {"thinking": False},
+               "template_writes_start_tag": True, "think_start": "<think>", "think_end": "</think>",
+               "end_of_turn": "<|im_end|>"}
+    config = kimi_config(kimi_model, kimi_server, tmp_path, profiles={"kimi-instant": instant})
+    config = parse_config({**config.model_dump(mode="json"),
+                           "model": {**config.model.model_dump(), "profile": "kimi-instant"}})
+    with pytest.raises(GenerationError) as stopped:
+        run_pipeline(config)
+    assert "3 of the first 3 records have empty reasoning" in str(stopped.value)
+    assert "{'thinking': False}" in str(stopped.value)
