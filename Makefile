@@ -4,9 +4,13 @@ PY ?= python3.11
 VENV := .venv
 VLLM_VENV := .venv-vllm
 TINY_MODEL := build/tiny-model
+# The same tiny model on the real Kimi-K2.5 vocabulary, built where ../shared holds it (its tests skip elsewhere).
+KIMI_TOKENIZER := $(abspath ../shared/tokenizers/kimi-k2.5)
+TINY_KIMI := $(if $(wildcard $(KIMI_TOKENIZER)/tokenizer.json),build/tiny-kimi)
 PIP_QUIET := --quiet --disable-pip-version-check
 export EAGLE3_VLLM_PYTHON := $(abspath $(VLLM_VENV))/bin/python
 export EAGLE3_TINY_MODEL := $(abspath $(TINY_MODEL))
+export EAGLE3_TINY_KIMI := $(if $(TINY_KIMI),$(abspath $(TINY_KIMI)))
 export TORCHINDUCTOR_CACHE_DIR := $(abspath build/torchinductor)
 
 .PHONY: setup test-services test-browser demo test test-fast lint clean
@@ -31,7 +35,11 @@ $(TINY_MODEL)/.built: $(VENV)/.installed eagle3_datagen/testing/tiny_model.py ea
 	$(VENV)/bin/python -m eagle3_datagen.testing.tiny_model --out $(TINY_MODEL)
 	touch $@
 
-setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(TINY_MODEL)/.built
+build/tiny-kimi/.built: $(VENV)/.installed eagle3_datagen/testing/tiny_model.py
+	$(VENV)/bin/python -m eagle3_datagen.testing.tiny_model --out build/tiny-kimi --kimi-tokenizer $(KIMI_TOKENIZER)
+	touch $@
+
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(TINY_MODEL)/.built $(if $(TINY_KIMI),$(TINY_KIMI)/.built)
 
 # A real S3 server for the tests: Ceph's RADOS Gateway from Debian's packages (infra/ceph-rgw/start.sh).
 test-services:

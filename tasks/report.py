@@ -179,13 +179,20 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
     report = store.read_json(validation)
     status["validation"] = {"status": report["status"], "reasons": report["reasons"], "rates": report["rates"]}
     sequences = artifact_path("sequences", index)
-    if report["status"] != "pass" or not store.exists(sequences):
-        status["sequences"] = {"status": "skipped" if report["status"] != "pass" else "pending"}
+    seq_rejected = rejected_path("sequences", index)
+    if report["status"] != "pass":
+        status["sequences"] = {"status": "skipped"}
+        return status
+    if not store.exists(sequences):
+        status["sequences"] = {"status": "pending"}
+        if store.exists(seq_rejected):  # the stage stopped the shard after writing why each sample was refused
+            reasons = Counter(row["reason"] for row in store.read_jsonl(seq_rejected))
+            reason, count = reasons.most_common(1)[0]
+            status["sequences"] = {"status": "failed", "reasons": [f"{count} samples refused: {reason}"]}
         return status
     data = store.read_bytes(sequences)
     table = pq.read_table(io.BytesIO(data), columns=["id", "num_tokens", "agrees"])
     agrees = [a for a in table.column("agrees").to_pylist() if a is not None]
-    seq_rejected = rejected_path("sequences", index)
     status["sequences"] = {
         "status": "done",
         "sha256": sha256_hex(data),
@@ -399,6 +406,9 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
     return {"run_uri": store.uri, "totals": totals, "report": report}
 
 
+STAGES = ("generations", "validation", "sequences", "hidden_states")
+
+
 def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards: int, min_accepted_rate: float,
                   store: RunStore, generation_error: str | None = None) -> str | None:
     """Why the run produced less than it should, as one line naming the shards; None when it is complete."""
@@ -408,8 +418,10 @@ def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards
         which = f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}"
         if generation_error:
             return f"{generation_error}; {which}; the others went on to {last_stage})"
-        return (f"{which}; the others went on to {last_stage}): see {store.uri}/{MANIFEST}; fix the cause and run "
-                "again (finished shards are not redone)")
+        why = next((f"{name} {stage}: {s[stage]['reasons'][0]}; " for name in short for stage in STAGES
+                    if (s := shards[name]).get(stage, {}).get("reasons")), "")
+        return (f"{which}; the others went on to {last_stage}): {why}see {store.uri}/{MANIFEST}; fix the cause and "
+                "run again (finished shards are not redone)")
     prompts = sum(s["prompts"]["records"] for s in shards.values())
     accepted = sum(s[last_stage].get("accepted_prompts", 0) for s in shards.values())
     rate = accepted / max(1, prompts)

@@ -446,11 +446,12 @@ def test_a_server_without_token_ids_gets_exact_sequences_from_text_and_a_lossy_p
     assert [p["sequence_source"] for p in manifest_of(tmp_path / "text" / "flow")["probe"]] == ["text"]
 
     stripped = manifest_of(tmp_path / "stripped" / "flow")
-    assert stripped["status"] == "failed" and "disagree with the server's token counts" in stripped["cause"]
+    assert stripped["status"] == "failed" and "text rebuild disagrees with the server's counts" in stripped["cause"]
+    assert "stripped whitespace from the end of the reasoning" in stripped["cause"], "the cause, in one line"
     rejected = [json.loads(line) for line in
                 (tmp_path / "stripped" / "flow" / "rejected" / "sequences-shard-00000.jsonl").read_text().splitlines()]
     assert len(rejected) == 16 and all("stripped whitespace from the end of the reasoning" in r["reason"]
                                        for r in rejected)
     assert not _sequences(tmp_path / "stripped" / "flow"), "no sample of a shard over the threshold is kept"
     err = capsys.readouterr().err.strip().splitlines()
-    assert "disagree with the server's token counts" in err[-1]
+    assert "text rebuild disagrees with the server's counts" in err[-1]
