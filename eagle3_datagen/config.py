@@ -51,6 +51,10 @@ class ModelConfig(_Section):
         json_schema_extra={"enum": sorted(BUILTIN_PROFILES)},
     )
     tokenizer: str = Field(description="Tokenizer path or hub id, loaded with transformers' AutoTokenizer.")
+    trust_remote_code: bool = Field(
+        default=False, description="Run the code the target model's folder ships (Kimi-K2.5's multimodal wrapper "
+        "needs it) when hidden states load it; recorded in the manifest. Only for models you trust.",
+    )
 
 
 def _required_in_the_form(*keys: str) -> Callable[[dict[str, Any]], None]:

@@ -66,7 +66,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     if config.hidden_states.backend != "none":
         hidden = extract_hidden_states.map(
             sequences, unmapped(config.hidden_states), unmapped(config.target_model),
-            unmapped(context.target_fingerprint), **at)
+            unmapped(context.target_fingerprint), unmapped(config.model.trust_remote_code), **at)
 
     return finish_run.submit(
         config, context, prompts.rows, prompts.rejected, len(prompts.shards), allow_failure(generation),

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,22 @@ def resolve_aux_layers(configured: Sequence[int] | None, num_layers: int) -> lis
         f"1..{num_layers - 1} (the valid range for this {num_layers}-layer target)"
     )
 
-def target_num_layers(path: str) -> int:
+def target_num_layers(path: str, trust_remote_code: bool = False) -> int:
     """Decoder layer count from the config alone, to validate aux layers before loading any weights."""
-    return AutoConfig.from_pretrained(path).get_text_config().num_hidden_layers
+    with remote_code_named(path):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return config.get_text_config().num_hidden_layers
+
+
+@contextmanager
+def remote_code_named(path: str) -> Iterator[None]:
+    """transformers' refusal of a model that needs its own code, as one line naming the setting."""
+    try:
+        yield
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise ConfigError(
+            f"config key model.trust_remote_code: {path} ships its own model code (e.g. Kimi-K2.5's multimodal "
+            "wrapper); set model.trust_remote_code: true if you trust it"
+        ) from None

@@ -22,6 +22,7 @@ def extract_hidden_states(
     settings: HiddenStatesConfig,
     target_model: str,
     target_fingerprint: str,
+    trust_remote_code: bool,
     output_uri: str,
     run_name: str,
 ) -> ShardRef:
@@ -33,8 +34,9 @@ def extract_hidden_states(
     if settings.backend == "vllm":
         index = extract_shard_vllm(store, sequences, load_served_target(target_model), settings)
     elif settings.backend == "transformers":
-        resolve_aux_layers(settings.aux_layers, target_num_layers(target_model))  # before loading any weights
-        target = load_target_model(target_model, settings.dtype, settings.device_map)
+        layers = target_num_layers(target_model, trust_remote_code)
+        resolve_aux_layers(settings.aux_layers, layers)  # before loading any weights
+        target = load_target_model(target_model, settings.dtype, settings.device_map, trust_remote_code)
         index = extract_shard(store, sequences, target, settings)
     else:
         raise ConfigError(f"config key hidden_states.backend: {settings.backend!r} extracts nothing")

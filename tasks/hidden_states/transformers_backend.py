@@ -18,7 +18,7 @@ from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.batching import plan_batches
 from tasks.hidden_states.parts import TokenSequence, write_shard
-from tasks.hidden_states.targets import TargetInfo
+from tasks.hidden_states.targets import TargetInfo, remote_code_named
 
 
 @dataclass(frozen=True)
@@ -31,24 +31,24 @@ class TargetModel(TargetInfo):
 _LOAD_LOCK = threading.Lock()
 
 
-def load_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
+def load_target_model(path: str, dtype: str, device_map: str, trust_remote_code: bool = False) -> TargetModel:
     """Load once per process (a run has many shards); one entry, so a new target replaces the old in memory.
 
     Shards run in threads: the lock makes the others wait for the first load instead of each loading its own copy
     of the weights (a cache alone lets concurrent misses through).
     """
     with _LOAD_LOCK:
-        return _cached_target_model(path, dtype, device_map)
+        return _cached_target_model(path, dtype, device_map, trust_remote_code)
 
 
-def fresh_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
+def fresh_target_model(path: str, dtype: str, device_map: str, trust_remote_code: bool = False) -> TargetModel:
     """A new copy of the target, loaded now (`load_target_model` shares one)."""
     # "cpu" is where from_pretrained loads anyway; any device_map at all would make accelerate a requirement.
     placement = {} if device_map == "cpu" else {"device_map": device_map}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placement).eval()
-    base = model.get_decoder()
-    if not (hasattr(base, "layers") and hasattr(base, "norm")):
-        raise HiddenStatesError(f"{path}: {type(base).__name__} has no .layers/.norm to hook; unsupported model")
+    with remote_code_named(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                                                     **placement).eval()
+    base = decoder_stack(model, path)
     config = model.config.get_text_config()
     eps = getattr(base.norm, "variance_epsilon", getattr(base.norm, "eps", None))
     if eps is None:
@@ -64,6 +64,22 @@ def fresh_target_model(path: str, dtype: str, device_map: str) -> TargetModel:
         norm_weight=base.norm.weight.detach().to("cpu", copy=True),
         norm_eps=float(eps),
     )
+
+
+def decoder_stack(model: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The module holding the decoder layers and final norm, also under a multimodal wrapper (Kimi-K2.5 nests
+    its DeepSeek-V3 text model as `language_model`, whose decoder is `.model`)."""
+    module = model
+    for _ in range(4):
+        if hasattr(module, "layers") and hasattr(module, "norm"):
+            return module
+        inner = module.get_decoder() if hasattr(module, "get_decoder") else None
+        if inner is None or inner is module:
+            inner = getattr(module, "language_model", None) or getattr(module, "model", None)
+        if not isinstance(inner, torch.nn.Module):
+            break
+        module = inner
+    raise HiddenStatesError(f"{path}: {type(model).__name__} has no decoder with .layers/.norm to hook; unsupported")
 
 
 _cached_target_model = lru_cache(maxsize=1)(fresh_target_model)

@@ -250,7 +250,7 @@ def test_vllm_backend_gives_the_transformers_tensors_in_bf16(
     settings = HiddenStatesConfig(
         backend="vllm", endpoint=extraction_server.url, dtype="bfloat16", max_in_flight=4, part_size_bytes=20_000
     )
-    ref = extract_hidden_states.fn(sequences, settings, str(tiny_model), "fp", str(tmp_path), "vllm")
+    ref = extract_hidden_states.fn(sequences, settings, str(tiny_model), "fp", False, str(tmp_path), "vllm")
 
     index = vllm_store.read_json(ref.path)
     assert ref.num_records == len(ids) and len(index["parts"]) > 1

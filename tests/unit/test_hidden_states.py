@@ -238,7 +238,7 @@ def test_task_hands_on_a_ref_to_the_index(model_dir: str, tmp_path: Path) -> Non
     sequences = write_sequences(store, 2, random_rows([10, 20, 5], seed=6))
 
     settings = HiddenStatesConfig(dtype="float32")
-    ref = extract_hidden_states.fn(sequences, settings, model_dir, "fp", str(tmp_path), "run")
+    ref = extract_hidden_states.fn(sequences, settings, model_dir, "fp", False, str(tmp_path), "run")
 
     assert ref == ShardRef(
         stage="hidden_states",
@@ -267,7 +267,7 @@ def test_shards_extracted_in_parallel_threads_do_not_mix_states(model_dir: str, 
     slow = base.layers[0].register_forward_hook(lambda *_: time.sleep(0.01))  # let the threads' passes overlap
     try:
         with ThreadPoolExecutor(max_workers=6) as pool:
-            list(pool.map(lambda ref: extract_hidden_states.fn(ref, settings, model_dir, "fp", str(tmp_path), "run"),
+            list(pool.map(lambda ref: extract_hidden_states.fn(ref, settings, model_dir, "fp", False, str(tmp_path), "run"),
                           refs))
     finally:
         slow.remove()
