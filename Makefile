@@ -11,6 +11,10 @@ PIP_QUIET := --quiet --disable-pip-version-check
 export EAGLE3_VLLM_PYTHON := $(abspath $(VLLM_VENV))/bin/python
 export EAGLE3_TINY_MODEL := $(abspath $(TINY_MODEL))
 export EAGLE3_TINY_KIMI := $(if $(TINY_KIMI),$(abspath $(TINY_KIMI)))
+# The trainers whose loaders read the exports in the tests, without their GPU-only dependencies (SpecForge pins
+# its own torch and sglang): their packages only, beside .venv, put on the path by the tests that use them.
+TRAINERS := build/trainers
+export EAGLE3_TRAINERS := $(abspath $(TRAINERS))
 export TORCHINDUCTOR_CACHE_DIR := $(abspath build/torchinductor)
 
 .PHONY: setup test-services test-browser demo test test-fast lint clean
@@ -39,7 +43,13 @@ build/tiny-kimi/.built: $(VENV)/.installed eagle3_datagen/testing/tiny_model.py
 	$(VENV)/bin/python -m eagle3_datagen.testing.tiny_model --out build/tiny-kimi --kimi-tokenizer $(KIMI_TOKENIZER)
 	touch $@
 
-setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(TINY_MODEL)/.built $(if $(TINY_KIMI),$(TINY_KIMI)/.built)
+$(TRAINERS)/.installed: $(VENV)/.installed
+	$(VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps --target $(TRAINERS) specforge==0.2.0 \
+	  speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 2>&1 | grep -v "is ignored" || true
+	touch $@
+
+setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(TINY_MODEL)/.built $(if $(TINY_KIMI),$(TINY_KIMI)/.built) \
+       $(TRAINERS)/.installed
 
 # A real S3 server for the tests: Ceph's RADOS Gateway from Debian's packages (infra/ceph-rgw/start.sh).
 test-services:
