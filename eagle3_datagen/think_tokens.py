@@ -41,6 +41,12 @@ def load_tokenizer(path_or_id: str) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=False)
     except (OSError, ValueError) as error:
+        if "trust_remote_code" in str(error):
+            raise ThinkTokenError(
+                f"tokenizer {path_or_id!r} ships its own code, which tokenizers are never loaded with: set "
+                "model.tokenizer to a folder with its fast-tokenizer form (tokenizer.json), e.g. one saved by "
+                "transformers' TikTokenConverter"
+            ) from None
         raise ThinkTokenError(
             f"cannot load tokenizer {path_or_id!r} ({str(error).splitlines()[0]}): "
             "set model.tokenizer to a local tokenizer folder or a reachable hub id"
