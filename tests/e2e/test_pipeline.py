@@ -24,6 +24,7 @@ from cli.demo import DEMO_MODEL_NAME, demo_questions
 from cli.main import main
 from cli.runner import run_pipeline
 from eagle3_datagen.config import PipelineConfig, parse_config
+from eagle3_datagen.testing.processes import as_from_a_terminal
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from eagle3_datagen.think_tokens import load_tokenizer
 from tasks.export import export_run
@@ -359,7 +360,7 @@ def start_cli_until(config_path: str, server: ScriptedServer, requests: int) -> 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value() or ""}
     child = subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", config_path], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                             cwd=Path(__file__).resolve().parents[2])
+                             cwd=Path(__file__).resolve().parents[2], preexec_fn=as_from_a_terminal)
     deadline = time.monotonic() + 120
     while server.log.requests < requests:
         assert child.poll() is None and time.monotonic() < deadline, child.communicate()

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from cli.demo import DEMO_MODEL_NAME, demo_questions
+from eagle3_datagen.testing.processes import as_from_a_terminal
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from eagle3_datagen.testing.vllm_server import free_port
 from eagle3_datagen.think_tokens import load_tokenizer
@@ -37,7 +38,8 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_LOGGING_LEVEL": "WARNING"}
     log = (home / "server.log").open("w")
     server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                              preexec_fn=as_from_a_terminal)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -64,7 +66,8 @@ def worker(prefect_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
     path = tmp_path_factory.mktemp("worker") / "worker.log"
     with path.open("w") as log:
         process = subprocess.Popen([PREFECT, "worker", "start", "--pool", "eagle3"], env=prefect_env, cwd=REPO,
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=as_from_a_terminal)
         yield path
         process.terminate()
         process.wait(timeout=60)

@@ -267,8 +267,9 @@ def test_shards_extracted_in_parallel_threads_do_not_mix_states(model_dir: str, 
     slow = base.layers[0].register_forward_hook(lambda *_: time.sleep(0.01))  # let the threads' passes overlap
     try:
         with ThreadPoolExecutor(max_workers=6) as pool:
-            list(pool.map(lambda ref: extract_hidden_states.fn(ref, settings, model_dir, "fp", False, str(tmp_path), "run"),
-                          refs))
+            extract = lambda ref: extract_hidden_states.fn(  # noqa: E731
+                ref, settings, model_dir, "fp", False, str(tmp_path), "run")
+            list(pool.map(extract, refs))
     finally:
         slow.remove()
     for index, sizes in lengths.items():
