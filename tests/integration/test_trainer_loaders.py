@@ -1,5 +1,6 @@
-"""The exports read by the trainers' own, unmodified loaders: SpecForge's offline EAGLE-3 dataset and speculators'
-ArrowDataset and draft-vocabulary mapping (installed without their GPU-only dependencies by `make setup`)."""
+"""The exports read by the trainers' own, unmodified code: SpecForge's offline EAGLE-3 dataset, speculators'
+ArrowDataset, draft-vocabulary mapping and one EAGLE-3 training step of its draft (installed without their
+GPU-only dependencies by `make setup`; their fused GPU losses swapped for their eager ones)."""
 
 from __future__ import annotations
 
@@ -66,3 +67,50 @@ def test_speculators_pairs_every_row_and_builds_its_draft_vocabulary(model_dir: 
     most_frequent = sorted(frequencies, key=lambda t: (-frequencies[t], t))[:16]
     assert draft_to_target.shape == (16,) and int(target_to_draft.sum()) == 16
     assert all(target_to_draft[t] for t in most_frequent), "the draft vocabulary is the most frequent targets"
+
+
+def test_one_speculators_eagle3_training_step_on_the_export(model_dir: str, tmp_path: Path) -> None:  # noqa: F811
+    """speculators' own collate, draft model and (eager, CPU) loss on a batch of the export: a finite loss whose
+    gradient reaches the draft's layers."""
+    data = pytest.importorskip("speculators.train.data", reason="speculators does not import here")
+    eagle3_data = pytest.importorskip("speculators.models.eagle3.data", reason="speculators does not import here")
+    eagle3 = pytest.importorskip("speculators.models.eagle3.core", reason="speculators does not import here")
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses.utils import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    make_run(str(tmp_path), load_target_model(model_dir, "bfloat16", "cpu"))
+    out = tmp_path / "speculators"
+    export_run(str(tmp_path / "run"), "speculators", str(out))
+    dataset = data.ArrowDataset(max_len=128, datapath=str(out), on_missing="raise")
+    collate = data.CollateFn(max_len=128, hidden_size=64, dtype=torch.float32, preprocess=eagle3_data.shift_batch)
+    batch = {k: v for k, v in collate([dataset[i] for i in range(3)]).items() if isinstance(v, torch.Tensor)}
+    assert batch["hidden_states"].shape == (1, 128, 3 * 64)
+    assert batch["verifier_last_hidden_states"].shape == (1, 128, 64)
+
+    d2t, t2d = build_vocab_mappings_from_distribution(torch.load(out / "token_freq.pt", weights_only=True), 32, 512)
+    layer = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=256)
+    layer._attn_implementation = "eager"  # flex attention needs a GPU
+    proposal = GreedyTokenProposalConfig(speculative_tokens=2)
+    config = Eagle3SpeculatorConfig(transformer_layer_config=layer, draft_vocab_size=32, speculators_config=(
+        SpeculatorsConfig(algorithm="eagle3", proposal_methods=[proposal], default_proposal_method="greedy",
+                          verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]))))
+    draft = eagle3.Eagle3DraftModel(config)
+    target = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():  # what speculators takes from the verifier's checkpoint
+        draft.t2d.copy_(t2d)
+        draft.d2t.copy_(d2t)
+        kept = torch.arange(32) + d2t
+        draft.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        draft.verifier_lm_head.weight.copy_(target.lm_head.weight[kept])
+        draft.lm_head.weight.copy_(target.lm_head.weight[kept])
+        draft.verifier_norm.weight.copy_(target.model.norm.weight)
+    draft.train()
+    _, loss, _ = draft(**batch, ttt_steps=2, loss_config=resolve_loss_config("kl_div", "eager"))
+    assert torch.isfinite(loss) and loss > 0
+    loss.backward()
+    assert draft.fc.weight.grad is not None and torch.isfinite(draft.fc.weight.grad).all()
