@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -49,13 +50,18 @@ def test_specforge_reads_the_export_in_sample_order_as_bf16_features(model_dir: 
         assert item["hidden_state"].shape[-1] == 3 * item["target"].shape[-1]
 
 
-def test_speculators_pairs_every_row_and_builds_its_draft_vocabulary(model_dir: str, tmp_path: Path) -> None:  # noqa: F811
+def _speculators_export(model_dir: str, tmp_path: Path) -> tuple[Path, Any]:
+    """A run's speculators export and speculators' own ArrowDataset over it."""
     data = pytest.importorskip("speculators.train.data", reason="speculators does not import here")
-    vocab = pytest.importorskip("speculators.train.vocab_mapping", reason="speculators does not import here")
     make_run(str(tmp_path), load_target_model(model_dir, "bfloat16", "cpu"))
     out = tmp_path / "speculators"
     export_run(str(tmp_path / "run"), "speculators", str(out))
-    dataset = data.ArrowDataset(max_len=64, datapath=str(out), on_missing="raise")
+    return out, data.ArrowDataset(max_len=128, datapath=str(out), on_missing="raise")
+
+
+def test_speculators_pairs_every_row_and_builds_its_draft_vocabulary(model_dir: str, tmp_path: Path) -> None:  # noqa: F811
+    vocab = pytest.importorskip("speculators.train.vocab_mapping", reason="speculators does not import here")
+    out, dataset = _speculators_export(model_dir, tmp_path)
     assert len(dataset) == 9
     for i in range(len(dataset)):
         item = dataset[i]  # a SampleUnavailable here would be a row whose token ids do not pair with its file
@@ -82,10 +88,7 @@ def test_one_speculators_eagle3_training_step_on_the_export(model_dir: str, tmp_
     from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    make_run(str(tmp_path), load_target_model(model_dir, "bfloat16", "cpu"))
-    out = tmp_path / "speculators"
-    export_run(str(tmp_path / "run"), "speculators", str(out))
-    dataset = data.ArrowDataset(max_len=128, datapath=str(out), on_missing="raise")
+    out, dataset = _speculators_export(model_dir, tmp_path)
     collate = data.CollateFn(max_len=128, hidden_size=64, dtype=torch.float32, preprocess=eagle3_data.shift_batch)
     batch = {k: v for k, v in collate([dataset[i] for i in range(3)]).items() if isinstance(v, torch.Tensor)}
     assert batch["hidden_states"].shape == (1, 128, 3 * 64)
