@@ -50,10 +50,10 @@ def test_specforge_reads_the_export_in_sample_order_as_bf16_features(model_dir: 
         assert item["hidden_state"].shape[-1] == 3 * item["target"].shape[-1]
 
 
-def _speculators_export(model_dir: str, tmp_path: Path) -> tuple[Path, Any]:
+def _speculators_export(target_dir: str, tmp_path: Path) -> tuple[Path, Any]:
     """A run's speculators export and speculators' own ArrowDataset over it."""
     data = pytest.importorskip("speculators.train.data", reason="speculators does not import here")
-    make_run(str(tmp_path), load_target_model(model_dir, "bfloat16", "cpu"))
+    make_run(str(tmp_path), load_target_model(target_dir, "bfloat16", "cpu"))
     out = tmp_path / "speculators"
     export_run(str(tmp_path / "run"), "speculators", str(out))
     return out, data.ArrowDataset(max_len=128, datapath=str(out), on_missing="raise")
