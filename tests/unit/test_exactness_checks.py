@@ -108,3 +108,15 @@ def test_reasoning_never_closed_is_counted_but_is_not_a_mismatch() -> None:
                               SPEC)
     assert (report.unclosed_reasoning, report.think_end_miscount, report.token_text_mismatch) == (1, 0, 0)
     assert report.status == "pass"
+
+
+def test_a_tokenizer_that_ships_its_own_code_is_refused_naming_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from eagle3_datagen.think_tokens import ThinkTokenError, load_tokenizer
+
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"auto_map": {"AutoTokenizer": ["tok.OwnTokenizer", null]}, "tokenizer_class": "OwnTokenizer"}')
+    (tmp_path / "tok.py").write_text("from transformers import PreTrainedTokenizer\n\n\n"
+                                     "class OwnTokenizer(PreTrainedTokenizer):\n    pass\n")
+    with pytest.raises(ThinkTokenError) as refused:
+        load_tokenizer(str(tmp_path))
+    assert "ships its own code" in str(refused.value) and "tokenizer.json" in str(refused.value)
