@@ -26,6 +26,8 @@ from eagle3_datagen.testing.vllm_server import free_port
 from eagle3_datagen.think_tokens import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
+# Requests take long enough for the report's latency plot to have points (a sub-second generation has none).
+LATENCY_S = 0.3
 PREFECT = str(Path(os.environ.get("VIRTUAL_ENV", REPO / ".venv")) / "bin" / "prefect")
 
 
@@ -140,7 +142,8 @@ def test_a_failed_shard_goes_on_alone_is_named_and_retried_alone(prefect_env: di
     """Shards you can see: runs named after the run and shard, the live per-shard table, a failed shard holding
     no other back from validation, sequences and hidden states, the run Failed naming it, Retry redoing only it;
     then the report of the completed run: a row per shard, the output link, its plots inline."""
-    script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), unavailable_for="France")
+    script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), unavailable_for="France",
+                    latency_s=LATENCY_S)
     with ScriptedServer(script) as server:
         run = _start(prefect_env, "pipeline", {"config": _service_config(tiny_model, server.url, tmp_path, "service")})
         assert _final_state(prefect_env, run["id"]) == "FAILED", worker.read_text()[-3000:]
@@ -353,7 +356,8 @@ def test_a_run_submitted_from_the_ui_form_shows_its_state_shards_output_and_repo
     state, the per-shard table, the output link and the report's plots rendered."""
     ui = prefect_env["PREFECT_API_URL"].removesuffix("/api")
     deployment = _deployment(prefect_env, "pipeline")
-    with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)))) as server:
+    script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), latency_s=LATENCY_S)
+    with ScriptedServer(script) as server:
         page = browser.new_page(viewport={"width": 1400, "height": 1200})
         page.goto(f"{ui}/deployments/deployment/{deployment['id']}/run")
         for labels, value in ((("Run name",), "browser"), (("Output",), str(tmp_path)),
