@@ -13,6 +13,7 @@ from uuid import UUID
 from cli.logs import RunLog
 from eagle3_datagen.config import PipelineConfig
 from eagle3_datagen.errors import UserError
+from eagle3_datagen.execution import task_runner_for
 from eagle3_datagen.storage import RunStore
 
 
@@ -77,7 +78,8 @@ def run_pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, 
     store.check_writable()
     wait_for_local_api()
     with RunLog(store) as log:
-        flow = pipeline.with_options(result_storage=result_storage_for(config))
+        flow = pipeline.with_options(result_storage=result_storage_for(config),
+                                     task_runner=task_runner_for(config.execution))
         state = flow(config, regenerate, return_state=True)
         flow_run_id = state.state_details.flow_run_id
         stages = asyncio.run(_stage_lines(flow_run_id)) if flow_run_id else []

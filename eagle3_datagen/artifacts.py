@@ -8,6 +8,7 @@ Layout under `{output_uri}/{run_name}/`:
   validation/shard-NNNNN.json            counts, rates, pass/quarantine
   sequences/shard-NNNNN.parquet          {id, input_ids, loss_mask, num_tokens, source, agrees}
   hidden_states/shard-NNNNN/part-NNNNN.safetensors + index.json
+  hidden_states/shard-NNNNN/worker.json  host and process that extracted it, target loads in that process
   rejected/<stage>-shard-NNNNN.jsonl     {id?, row?, stage, reason}
   generations/timeline.jsonl             generation sampled twice a second: time, prompts finished, in flight
   report.md, plots/*.png                 the run report and its plots
@@ -39,6 +40,11 @@ def artifact_path(stage: str, index: int) -> str:
         "hidden_states": "/index.json",
     }[stage]
     return f"{stage}/{shard_name(index)}{suffix}"
+
+
+def worker_record_path(index: int) -> str:
+    """Where extraction records the host and process that made shard `index`, and that process's target loads."""
+    return f"hidden_states/{shard_name(index)}/worker.json"
 
 
 def ui_key(run_name: str, what: str) -> str:

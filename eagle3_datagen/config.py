@@ -223,6 +223,12 @@ class SequencesConfig(_Section):
         "refused), `text` (rebuilt from reasoning and answer text, each sample checked against the server's usage "
         "counts), `auto` (the server's ids where it returns them, else text).",
     )
+    cross_check_rate: float = Field(
+        default=0.1, ge=0, le=1,
+        description="Share of the samples with server ids that are also rebuilt from text to check the two agree "
+        "(chosen by prompt id, so the same ones every run); samples without ids are always rebuilt and checked "
+        "against the server's counts. Re-encoding every text is most of the stage's cost.",
+    )
 
 
 class HiddenStatesConfig(_Section):
@@ -264,6 +270,31 @@ class HiddenStatesConfig(_Section):
         return self
 
 
+class ExecutionConfig(_Section):
+    """Where the shard tasks run. Nothing here changes an output, so nothing here is in a cache key."""
+
+    task_runner: Literal["local", "ray"] = Field(
+        default="local",
+        description="`local`: shard tasks run in threads of this process; `ray`: on a Ray cluster through "
+        "prefect-ray (execution.ray_address), one task per shard and stage, spread over its nodes.",
+    )
+    ray_address: str | None = Field(
+        default=None,
+        description="ray: the cluster's address (`head:6379`, or `ray://head:10001` from outside it); default: "
+        "RAY_ADDRESS, else a temporary Ray instance on this machine.",
+    )
+    workers: PositiveInt | None = Field(
+        default=None,
+        description="local: shard tasks running at once (memory grows with it, not with the prompt count); "
+        "default: this machine's cores.",
+    )
+    extraction_gpus: float = Field(
+        default=0, ge=0,
+        description="ray: GPUs each hidden-state extraction task asks for (its worker keeps the target loaded "
+        "for the next shard); 0 on CPU-only clusters.",
+    )
+
+
 class PipelineConfig(_Section):
     """Everything a run needs; the settings that change outputs are fingerprinted into the manifest."""
 
@@ -297,6 +328,10 @@ class PipelineConfig(_Section):
     hidden_states: HiddenStatesConfig = Field(
         default_factory=HiddenStatesConfig, title="Hidden states",
         description="Extraction of the target's hidden states (the EAGLE-3 features).",
+    )
+    execution: ExecutionConfig = Field(
+        default_factory=ExecutionConfig, title="Execution",
+        description="Where the shard tasks run: threads of this process or a Ray cluster.",
     )
     profiles: dict[str, ModelProfile] = Field(
         default_factory=dict, title="Custom profiles",

@@ -13,12 +13,14 @@ The extraction stage writes it; export and verify read it, so it lives here, bel
 
 from __future__ import annotations
 
+import json
 import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as _save_safetensors
 
 from eagle3_datagen.artifacts import sha256_hex
 from eagle3_datagen.errors import UserError
@@ -29,6 +31,22 @@ FINAL_STATE = "before_norm"
 FINAL_NORM_FILE = "final_norm.safetensors"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 PART_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states")
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """safetensors bytes that depend only on the tensors and metadata: the same on every machine and process.
+
+    safetensors keeps metadata in a hash map whose order changes from process to process; the header is
+    rewritten with its metadata sorted (same JSON, same length), so a shard extracted anywhere is the same file.
+    """
+    data = _save_safetensors(tensors, metadata=metadata)
+    if not metadata:
+        return data
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    return data[:8] + text.ljust(size) + data[8 + size:]
 
 
 class HiddenStatesError(UserError):

@@ -9,6 +9,7 @@ from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import allow_failure
 
 from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
+from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.storage import RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
@@ -41,6 +42,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
         regenerate: Look at storage again instead of trusting generation's cache (after shards were reopened).
     """
     config = settled_output(config)
+    check_task_runner(config.execution)
     where = {"output_uri": config.output_uri, "run_name": config.run_name}
     context = start_run(config)
     prompts = load_prompts(config.data, fingerprint(config.data.source), **where)
@@ -64,14 +66,20 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
         unmapped(config.validation.max_rebuild_mismatch_rate), **at)
     hidden: list[PrefectFuture[Any]] = []
     if config.hidden_states.backend != "none":
-        hidden = extract_hidden_states.map(
-            sequences, unmapped(config.hidden_states), unmapped(config.target_model),
-            unmapped(context.target_fingerprint), unmapped(config.model.trust_remote_code), **at)
+        with extraction_placement(config.execution):
+            hidden = extract_hidden_states.map(
+                sequences, unmapped(config.hidden_states), unmapped(config.target_model),
+                unmapped(context.target_fingerprint), unmapped(config.model.trust_remote_code), **at)
 
     return finish_run.submit(
         config, context, prompts.rows, prompts.rejected, len(prompts.shards), allow_failure(generation),
         wait_for=[allow_failure(f) for f in [*validated, *sequences, *hidden]],
     ).result()
+
+
+# The pipeline for deployments whose runs use a Ray cluster (execution.task_runner: ray), named by the worker's
+# RAY_ADDRESS.
+pipeline_on_ray = pipeline.with_options(name="eagle3-datagen-ray", task_runner=ClusterTaskRunner())
 
 
 @flow(name="eagle3-generation-only", flow_run_name=run_named("generation-only"), log_prints=True)

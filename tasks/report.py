@@ -200,6 +200,7 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
         "rejected": len(store.read_jsonl(seq_rejected)) if store.exists(seq_rejected) else 0,
         "tokens": sum(table.column("num_tokens").to_pylist()),
         "accepted_prompts": len({prompt_id_of(i) for i in table.column("id").to_pylist()}),
+        "cross_checked": len(agrees),  # samples with server ids also rebuilt from text (sequences.cross_check_rate)
         "text_rebuild_agreement": sum(agrees) / len(agrees) if agrees else None,
     }
     if hidden_states:

@@ -4,13 +4,15 @@ Two ways, cross-checked: (a) the server's own ids (prompt_token_ids + completion
 construction; (b) rebuilt from text: the generation prompt rendered with thinking on, then the start tag if the
 template did not write it, the reasoning, the end tag id, the content and the end-of-turn id. The whole
 conversation is never rendered through the template, which would drop the reasoning. `sequences.source` picks
-the way ((a) where the server sent ids under `auto`); agreement is recorded per sample where both exist. A text
+the way ((a) where the server sent ids under `auto`); where the server sent ids, a sample of prompts
+(`sequences.cross_check_rate`) is rebuilt from text too and the agreement recorded per sample. A text
 rebuild is kept only when its token counts equal the server's usage counts, and every sample's completion must
 carry exactly one think-end id: a sample not provably exact is rejected with its cause, never trained on.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +56,7 @@ class Sequence:
     input_ids: list[int]
     loss_mask: list[int]
     source: str  # "server" or "text"
-    agrees: bool | None  # None when only one way was possible
+    agrees: bool | None  # None when only one way was built
     first_diff: int | None
 
 
@@ -145,6 +147,32 @@ def _group_counts(records: list[dict[str, Any]], completion_lengths: list[int]) 
     return [totals[prompt_id_of(record["id"])] for record in records]
 
 
+def cross_checked(prompt: str, rate: float) -> bool:
+    """Whether a prompt's samples are in the cross-check sample: a pure function of its id, the same on any
+    machine and in every run."""
+    return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") < rate * 2**64
+
+
+def _needs_text(record: dict[str, Any], settings: SequencesConfig) -> bool:
+    has_ids = record.get("prompt_token_ids") is not None and record.get("completion_token_ids") is not None
+    if not has_ids:
+        return settings.source != "server"
+    return settings.source == "text" or cross_checked(prompt_id_of(record["id"]), settings.cross_check_rate)
+
+
+def _text_rebuilds(records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, profile: ModelProfile,
+                   spec: ThinkTokenSpec) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) rebuilt from each record's text, batch-tokenized."""
+    if not records:
+        return []
+    encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt_ids = encode([render_generation_prompt(tokenizer, r["messages"], profile) for r in records])
+    reasoning_ids = encode([r["reasoning"] for r in records])
+    content_ids = encode([r["content"] or "" for r in records])
+    return [(prompt_ids[i], completion_ids_from_text(reasoning_ids[i], content_ids[i], record, spec))
+            for i, record in enumerate(records)]
+
+
 def build_sequences(
     records: list[dict[str, Any]],
     tokenizer: PreTrainedTokenizerBase,
@@ -152,26 +180,28 @@ def build_sequences(
     spec: ThinkTokenSpec,
     settings: SequencesConfig,
 ) -> ShardSequences:
-    """Sequences for a shard's records (batch-tokenized); samples that are not provably exact are rejected."""
-    prompts = [render_generation_prompt(tokenizer, r["messages"], profile) for r in records]
-    encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompt_ids = encode(prompts) if prompts else []
-    reasoning_ids = encode([r["reasoning"] for r in records]) if records else []
-    content_ids = encode([r["content"] or "" for r in records]) if records else []
-    text_completions = [completion_ids_from_text(reasoning_ids[i], content_ids[i], record, spec)
-                        for i, record in enumerate(records)]
-    request_completion_tokens = _group_counts(records, [len(ids) for ids in text_completions])
+    """Sequences for a shard's records; samples that are not provably exact are rejected.
+
+    Only the samples that need it are rebuilt from text: those without server ids, and the cross-check sample.
+    """
+    need_text = [_needs_text(record, settings) for record in records]
+    rebuilt = iter(_text_rebuilds([r for r, needed in zip(records, need_text, strict=True) if needed],
+                                  tokenizer, profile, spec))
+    text = [next(rebuilt) if needed else None for needed in need_text]
+    # a request's samples are rebuilt together or not at all (same ids, same prompt): their sums stay whole
+    request_completion_tokens = _group_counts(records, [len(built[1]) if built else 0 for built in text])
     shard = ShardSequences()
     for i, record in enumerate(records):
-        text_prompt, text_completion = prompt_ids[i], text_completions[i]
         server_prompt, server_completion = record.get("prompt_token_ids"), record.get("completion_token_ids")
         has_ids = server_prompt is not None and server_completion is not None
         if settings.source == "server" and not has_ids:
             shard.reject(record["id"], "the server returned no token ids (sequences.source: server)")
             continue
-        diff = first_difference(server_prompt + server_completion, text_prompt + text_completion) if has_ids \
+        text_prompt, text_completion = text[i] or ([], [])
+        compared = has_ids and text[i] is not None
+        diff = first_difference(server_prompt + server_completion, text_prompt + text_completion) if compared \
             else None
-        agrees = diff is None if has_ids else None
+        agrees = diff is None if compared else None
         if has_ids and settings.source != "text":
             prompt, completion, source = server_prompt, server_completion, "server"
         else:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -87,6 +88,7 @@ class Script:
     strip_reasoning_whitespace: bool = False  # as vLLM's kimi_k2 parser: the text loses what the ids kept
     max_running: int | None = None  # like vLLM's max_num_seqs: more requests wait in a queue before they run
     serve_metrics: bool = True  # vLLM's load gauges at /metrics (running, waiting, KV-cache usage)
+    reasoning_chars: int = 0  # every reasoning padded to this length: the long traces of real reasoning models
 
 
 def scripted_latency(script: Script, index: int) -> float:
@@ -156,8 +158,16 @@ class Log:
         }
 
 
+def padded(reasoning: str, chars: int) -> str:
+    """The reasoning grown to `chars` characters with numbered steps (distinct, so no tokenizer collapses them)."""
+    steps = (f" Step {i}: check the previous step again." for i in itertools.count())
+    while len(reasoning) < chars:
+        reasoning += next(steps)
+    return reasoning[:chars] if chars else reasoning
+
+
 def _message(question: str, body: dict[str, Any], script: Script) -> dict[str, Any]:
-    reasoning, content = expected_reasoning(question), expected_content(question)
+    reasoning, content = padded(expected_reasoning(question), script.reasoning_chars), expected_content(question)
     thinking = (body.get("chat_template_kwargs") or {}) != {"enable_thinking": False}
     if script.shape == "none" or not thinking:
         return {"role": "assistant", "content": content.strip()}
@@ -373,9 +383,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-running", type=int, default=None, help="requests run at once; more wait in a queue")
     parser.add_argument("--model", default=Script.model, help="the served model name")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder: real token ids in every answer")
+    parser.add_argument("--reasoning-chars", type=int, default=0, help="pad every reasoning to this length")
     args = parser.parse_args(argv)
+    tokenizer = None
+    if args.tokenizer:
+        from eagle3_datagen.think_tokens import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
     script = Script(latency_s=args.latency_s, latency_sigma=args.latency_sigma, tail_rate=args.tail_rate,
-                    tail_factor=args.tail_factor, seed=args.seed, max_running=args.max_running, model=args.model)
+                    tail_factor=args.tail_factor, seed=args.seed, max_running=args.max_running, model=args.model,
+                    tokenizer=tokenizer, reasoning_chars=args.reasoning_chars)
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())

@@ -14,7 +14,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from safetensors.torch import save as save_safetensors
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, shard_name
 from eagle3_datagen.config import HiddenStatesConfig
@@ -25,6 +24,7 @@ from eagle3_datagen.hidden_state_format import (
     PART_TENSORS,
     HiddenStatesError,
     Sample,
+    save_safetensors,
 )
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.targets import TargetInfo, resolve_aux_layers

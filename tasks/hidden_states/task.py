@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import socket
+
 from prefect import task
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
+from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, worker_record_path
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
 from eagle3_datagen.errors import retry_unless_user_error
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.targets import resolve_aux_layers, target_num_layers
-from tasks.hidden_states.transformers_backend import extract_shard, load_target_model
+from tasks.hidden_states.transformers_backend import extract_shard, load_target_model, target_loads
 from tasks.hidden_states.vllm_backend import extract_shard_vllm, load_served_target
 
 
@@ -28,6 +31,9 @@ def extract_hidden_states(
 ) -> ShardRef:
     """Prefect stage 6 for one shard; a transformers target stays loaded across the shards a process runs.
 
+    Its worker record (host, process, target loads so far in that process) shows where the shard ran and that
+    no shard loaded the target twice.
+
     `target_fingerprint` is part of the cache key: new weights at the same path extract again.
     """
     store = RunStore(output_uri, run_name)
@@ -38,6 +44,8 @@ def extract_hidden_states(
         resolve_aux_layers(settings.aux_layers, layers)  # before loading any weights
         target = load_target_model(target_model, settings.dtype, settings.device_map, trust_remote_code)
         index = extract_shard(store, sequences, target, settings)
+        store.write_json(worker_record_path(sequences.index),
+                         {"host": socket.gethostname(), "pid": os.getpid(), "target_loads_in_process": target_loads()})
     else:
         raise ConfigError(f"config key hidden_states.backend: {settings.backend!r} extracts nothing")
     rel = artifact_path("hidden_states", sequences.index)

@@ -29,6 +29,7 @@ class TargetModel(TargetInfo):
     dtype: torch.dtype
 
 _LOAD_LOCK = threading.Lock()
+_loads = [0]
 
 
 def load_target_model(path: str, dtype: str, device_map: str, trust_remote_code: bool = False) -> TargetModel:
@@ -41,8 +42,14 @@ def load_target_model(path: str, dtype: str, device_map: str, trust_remote_code:
         return _cached_target_model(path, dtype, device_map, trust_remote_code)
 
 
+def target_loads() -> int:
+    """How many times this process has loaded a target: one per run, proven per shard in its worker record."""
+    return _loads[0]
+
+
 def fresh_target_model(path: str, dtype: str, device_map: str, trust_remote_code: bool = False) -> TargetModel:
     """A new copy of the target, loaded now (`load_target_model` shares one)."""
+    _loads[0] += 1
     # "cpu" is where from_pretrained loads anyway; any device_map at all would make accelerate a requirement.
     placement = {} if device_map == "cpu" else {"device_map": device_map}
     with remote_code_named(path):

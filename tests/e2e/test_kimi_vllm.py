@@ -52,6 +52,7 @@ def kimi_config(model: Path, server: LocalVLLMServer, output: Path, **sections: 
     tree = demo_config(model, server.url, output, run_name="kimi").model_dump(mode="json")
     tree["model"] = {"name": server.served_name, "profile": "kimi-k2.5", "tokenizer": str(model)}
     tree["hidden_states"] = {"backend": "none"}
+    tree["sequences"] = {"cross_check_rate": 1.0}  # every sample's text rebuild compared with the ids
     tree.update(sections)
     return parse_config(tree)
 

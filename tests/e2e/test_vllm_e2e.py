@@ -26,6 +26,9 @@ from tasks.sequences import build_sequences
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("prefect_api")]
 
 
+EVERY_SAMPLE_CROSS_CHECKED = {"cross_check_rate": 1.0}  # the text rebuild compared with the ids on every sample
+
+
 def served_config(tiny_model: Path, server: LocalVLLMServer, output: Path, **tree: Any) -> PipelineConfig:
     base = demo_config(tiny_model, server.url, output).model_dump(mode="json")
     base["model"]["name"] = server.served_name
@@ -35,7 +38,7 @@ def served_config(tiny_model: Path, server: LocalVLLMServer, output: Path, **tre
 
 
 def test_the_demo_job_on_a_real_vllm_server(tiny_model: Path, vllm_server: LocalVLLMServer, tmp_path: Path) -> None:
-    summary = run_pipeline(served_config(tiny_model, vllm_server, tmp_path))
+    summary = run_pipeline(served_config(tiny_model, vllm_server, tmp_path, sequences=EVERY_SAMPLE_CROSS_CHECKED))
     run = tmp_path / "demo"
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["status"] == "completed"
@@ -76,7 +79,7 @@ def test_the_demo_job_on_a_real_vllm_server(tiny_model: Path, vllm_server: Local
     assert part["aux_hidden_states"].shape == (tokens, 3 * hf["hidden_size"])
     assert part["final_hidden_states"].shape == (tokens, hf["hidden_size"])
 
-    second = run_pipeline(served_config(tiny_model, vllm_server, tmp_path))
+    second = run_pipeline(served_config(tiny_model, vllm_server, tmp_path, sequences=EVERY_SAMPLE_CROSS_CHECKED))
     assert any("work tasks cached" in line for line in second["stages"])
     assert second["totals"] == summary["totals"]
 

@@ -297,3 +297,19 @@ def test_shards_in_threads_load_the_target_once(tmp_path: Path, monkeypatch: pyt
     with ThreadPoolExecutor(4) as pool:
         targets = list(pool.map(lambda _: load_target_model(str(tmp_path / "target"), "float32", "cpu"), range(4)))
     assert len(loads) == 1 and all(target is targets[0] for target in targets)
+
+
+def test_a_part_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> None:
+    """safetensors writes its metadata in a per-process hash order: without sorting it, a shard extracted on
+    another machine (a Ray worker) or in another run would be a different file with the same tensors."""
+    import subprocess
+    import sys
+
+    script = ("import sys, torch; from eagle3_datagen.hidden_state_format import save_safetensors; "
+              "sys.stdout.buffer.write(save_safetensors({'x': torch.arange(4.0)}, "
+              "{'format': 'f', 'sample_ids': '[\"é\"]', 'aux_layers': '{}', 'final_state': 'before_norm'}))")
+    files = {subprocess.run([sys.executable, "-c", script], capture_output=True, check=True).stdout for _ in range(4)}
+    assert len(files) == 1
+    (tmp_path / "part.safetensors").write_bytes(files.pop())
+    with safe_open(tmp_path / "part.safetensors", "pt") as part:
+        assert part.get_tensor("x").tolist() == [0.0, 1.0, 2.0, 3.0] and part.metadata()["sample_ids"] == '["é"]'

@@ -69,3 +69,20 @@ def test_the_nightly_schedule_runs_the_documented_example_config() -> None:
     assert config.server.endpoints == ["http://vllm-kimi:8000"]
     assert config.model.name in services["vllm-kimi"]["command"]
     assert config.output_uri.startswith("s3://") and "/data/prompts" in str(services["worker"]["volumes"])
+
+
+def test_the_ray_cluster_runs_this_ray_and_the_worker_names_its_head() -> None:
+    """Ray refuses a driver whose version differs from the cluster's: the manifest must follow the pin."""
+    import ray
+
+    [cluster] = _documents(INFRA / "k8s" / "raycluster.yaml")
+    assert cluster["kind"] == "RayCluster" and cluster["spec"]["rayVersion"] == ray.__version__
+    workers = cluster["spec"]["workerGroupSpecs"]
+    assert any(group["template"]["spec"]["containers"][0]["resources"]["limits"].get("nvidia.com/gpu")
+               for group in workers), "GPU workers for extraction"
+    [worker] = _documents(INFRA / "k8s" / "worker.yaml")
+    env = {e["name"]: e.get("value") for e in worker["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["RAY_ADDRESS"] == f"{cluster['metadata']['name']}-head-svc:6379"
+    pipeline_ray = next(d for d in _documents(INFRA.parent / "prefect.yaml")[0]["deployments"]
+                        if d["name"] == "pipeline-ray")
+    assert pipeline_ray["entrypoint"] == "flows.pipeline:pipeline_on_ray"

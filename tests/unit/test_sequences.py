@@ -50,7 +50,7 @@ def _served(kimi, record: dict, generated_reasoning: str | None = None) -> dict:
 def _build(kimi, spec, records, **settings):  # type: ignore[no-untyped-def]
     """Sequences and rejections of records served with honest usage counts (unless a record brings its own)."""
     served = [record if "usage" in record else _served(kimi, record) for record in records]
-    shard = build_sequences(served, kimi, KIMI, spec, SequencesConfig(**settings))
+    shard = build_sequences(served, kimi, KIMI, spec, SequencesConfig(**{"cross_check_rate": 1.0, **settings}))
     return shard.sequences, shard.rejected
 
 
@@ -236,3 +236,23 @@ def test_server_ids_with_two_think_ends_are_refused(kimi, spec) -> None:  # type
     record = _record("q", "r", "c", prompt_token_ids=built.input_ids[:cut], completion_token_ids=doubled)
     kept, [refused] = _build(kimi, spec, [record])
     assert kept == [] and refused["reason"].startswith("2 think-end tokens (163607) in the completion, not 1")
+
+
+def test_the_cross_check_is_a_stable_sample_of_prompts_and_never_skips_a_sample_without_ids(  # type: ignore[no-untyped-def]
+        kimi, spec) -> None:
+    """Re-encoding every text is most of the stage's cost where the server sent ids: only a sample of prompts is
+    compared, the same prompts on every run, while a sample without ids is always rebuilt and checked."""
+    [built], _ = _build(kimi, spec, [_record("hello", "hmm", "hi")])
+    cut = built.loss_mask.index(1)
+    ids = {"prompt_token_ids": built.input_ids[:cut], "completion_token_ids": built.input_ids[cut:]}
+    with_ids = [_record("hello", "hmm", "hi", **ids) | {"id": f"p{k}:0"} for k in range(200)]
+    compared = {rate: [s.id for s in _build(kimi, spec, with_ids, cross_check_rate=rate)[0] if s.agrees is not None]
+                for rate in (0.0, 0.25, 1.0)}
+    assert compared[0.0] == [] and len(compared[1.0]) == 200
+    assert 25 <= len(compared[0.25]) <= 75, "about a quarter of the prompts"
+    assert compared[0.25] == [s.id for s in _build(kimi, spec, with_ids, cross_check_rate=0.25)[0]
+                              if s.agrees is not None], "the same prompts every run"
+    assert all(s.agrees for s in _build(kimi, spec, with_ids, cross_check_rate=0.25)[0] if s.agrees is not None)
+
+    [without_ids], _ = _build(kimi, spec, [_record("hello", "hmm", "hi")], cross_check_rate=0.0)
+    assert without_ids.source == "text" and without_ids.input_ids == built.input_ids
