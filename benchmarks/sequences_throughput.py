@@ -1,6 +1,7 @@
 """Token-sequence building speed: both ways (server ids, rebuilt from text) beside a plain tokenizer call.
 
-Prints tokens per second for each way and its ratio to `tokenizer(batch)` on the same text, measured in one
+Prints tokens per second for each way (text only; server ids with every sample or the default sample
+cross-checked) and its throughput ratio to `tokenizer(batch)` on the same text, measured in one
 run so the machine's noise cancels out. Usage:
 
     .venv/bin/python benchmarks/sequences_throughput.py [--tokenizer ../shared/tokenizers/kimi-k2.5] [--samples 2000]
@@ -73,33 +74,31 @@ def main() -> None:
     tokenizer = load_tokenizer(args.tokenizer)
     profile = BUILTIN_PROFILES[args.profile]
     spec = discover_think_tokens(tokenizer, profile)
-    settings = SequencesConfig()
-    text_records = synthetic_records(args.samples)
-    built, _ = build_sequences(text_records, tokenizer, profile, spec, settings)
+    every, default_rate = SequencesConfig(cross_check_rate=1.0), SequencesConfig()
+    drafts = synthetic_records(args.samples)
+    built = build_sequences(drafts, tokenizer, profile, spec, SequencesConfig(source="text")).sequences
+    assert len(built) == len(drafts), "every synthetic sample rebuilds"
+    text_records, server_records = [], []
+    for record, sequence in zip(drafts, built, strict=True):  # what a server returns: usage counts, then ids
+        cut = sequence.loss_mask.index(1)
+        usage = {"prompt_tokens": cut, "completion_tokens": len(sequence.input_ids) - cut}
+        text_records.append({**record, "usage": usage})
+        server_records.append({**record, "usage": usage, "prompt_token_ids": sequence.input_ids[:cut],
+                               "completion_token_ids": sequence.input_ids[cut:]})
     tokens = sum(len(s.input_ids) for s in built)
-    server_records = [
-        {
-            **r,
-            "prompt_token_ids": s.input_ids[: s.loss_mask.index(1)],
-            "completion_token_ids": s.input_ids[s.loss_mask.index(1) :],
-        }
-        for r, s in zip(text_records, built, strict=True)
-    ]
-    plain_texts = [r["messages"][0]["content"] + r["reasoning"] + r["content"] for r in text_records]
+    plain_texts = [r["messages"][0]["content"] + r["reasoning"] + r["content"] for r in drafts]
 
     plain = best_of(args.repeats, lambda: tokenizer(plain_texts, add_special_tokens=False))
-    from_text = best_of(args.repeats, lambda: build_sequences(text_records, tokenizer, profile, spec, settings))
-    from_server = best_of(args.repeats, lambda: build_sequences(server_records, tokenizer, profile, spec, settings))
-    print(f"{args.samples} samples, {tokens} tokens, tokenizer {Path(args.tokenizer).name}")
-    print(f"plain tokenizer(batch)         {tokens / plain:12,.0f} tokens/s")
-    print(
-        f"rebuilt from text              {tokens / from_text:12,.0f} tokens/s   "
-        f"time ratio to plain tokenizer {from_text / plain:5.2f}x"
-    )
-    print(
-        f"server ids (+ text cross-check){tokens / from_server:12,.0f} tokens/s   "
-        f"time ratio to plain tokenizer {from_server / plain:5.2f}x"
-    )
+    ways = {
+        "rebuilt from text (no ids)": (text_records, default_rate),
+        "server ids, every sample cross-checked": (server_records, every),
+        f"server ids, {default_rate.cross_check_rate:.0%} cross-checked (default)": (server_records, default_rate),
+    }
+    print(f"{args.samples} samples, {tokens} tokens, tokenizer {Path(args.tokenizer).name}, one process (one core)")
+    print(f"{'plain tokenizer(batch)':<44} {tokens / plain:12,.0f} tokens/s")
+    for name, (records, settings) in ways.items():
+        took = best_of(args.repeats, lambda r=records, s=settings: build_sequences(r, tokenizer, profile, spec, s))
+        print(f"{name:<44} {tokens / took:12,.0f} tokens/s   throughput / plain tokenizer {plain / took:5.2f}x")
 
 
 if __name__ == "__main__":

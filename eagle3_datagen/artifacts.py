@@ -10,6 +10,8 @@ Layout under `{output_uri}/{run_name}/`:
   hidden_states/shard-NNNNN/part-NNNNN.safetensors + index.json
   hidden_states/shard-NNNNN/worker.json  host and process that extracted it, target loads in that process
   rejected/<stage>-shard-NNNNN.jsonl     {id?, row?, stage, reason}
+  <stage>/shard-NNNNN.done.json          completion marker of a shard file: its ref, bytes, what it was made from,
+                                         and the report's counts of it (a re-run reads markers, not shards)
   generations/timeline.jsonl             generation sampled twice a second: time, prompts finished, in flight
   report.md, plots/*.png                 the run report and its plots
 """

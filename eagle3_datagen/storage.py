@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import IO, Any, TypeVar
 
 import fsspec
@@ -113,16 +114,45 @@ class RunStore:
     def write_json(self, rel: str, value: Any) -> None:
         self.write_bytes(rel, (json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode())
 
-    def write_shard(self, stage: str, index: int, records: list[dict[str, Any]]) -> ShardRef:
+    def write_shard(self, stage: str, index: int, records: list[dict[str, Any]], **provenance: Any) -> ShardRef:
         """Write one JSONL shard of a stage atomically; returns the reference the next stage reads it by."""
         data = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records).encode()
-        return self.write_shard_bytes(stage, index, data, len(records))
+        return self.write_shard_bytes(stage, index, data, len(records), **provenance)
 
-    def write_shard_bytes(self, stage: str, index: int, data: bytes, num_records: int) -> ShardRef:
-        """Write one shard of a stage in any format (a Parquet table, say) atomically; returns its reference."""
+    def write_shard_bytes(self, stage: str, index: int, data: bytes, num_records: int,
+                          **provenance: Any) -> ShardRef:
+        """Write one shard of a stage in any format (a Parquet table, say) atomically, then its completion marker;
+        returns its reference. `provenance` (what it was made from) goes into the marker."""
         path = artifact_path(stage, index)
+        self.remove(marker_path(path))  # a marker only ever vouches for the file written before it
         self.write_bytes(path, data)
-        return ShardRef(stage, index, path, num_records, sha256_hex(data))
+        ref = ShardRef(stage, index, path, num_records, sha256_hex(data))
+        self.write_json(marker_path(path), {**asdict(ref), "bytes": len(data), **provenance})
+        return ref
+
+    def read_marker(self, path: str) -> dict[str, Any] | None:
+        """The completion marker of the shard file at `path`, if it still vouches for that file.
+
+        A marker is a few hundred bytes: a re-run learns what is finished from markers and one size check per
+        file, without reading the shards (gigabytes on a large run). A file replaced or moved since its marker
+        was written has another size or none, and the marker is ignored.
+        """
+        marker = marker_path(path)
+        if not self.exists(marker):
+            return None
+        found = self.read_json(marker)
+        return found if self.size(path) == found.get("bytes") else None
+
+    def add_to_marker(self, marker: dict[str, Any], **facts: Any) -> None:
+        """Keep what a later step learnt from a shard (the report's counts) in its marker, beside what it vouches."""
+        self.write_json(marker_path(marker["path"]), {**marker, **facts})
+
+    def size(self, rel: str) -> int | None:
+        """Bytes of a file, without reading it (None if absent)."""
+        try:
+            return int(self._retrying(lambda: self.fs.size(self.path(rel))))
+        except FileNotFoundError:
+            return None
 
     def read_shard(self, ref: ShardRef) -> bytes:
         """The one way a stage reads the previous stage's output: refused if it changed since it was written."""
@@ -168,6 +198,11 @@ class RunStore:
     def local_path(self, rel: str) -> str | None:
         """The plain filesystem path when the run lives on local disk (for appending partial files)."""
         return self.path(rel) if self._local else None
+
+
+def marker_path(path: str) -> str:
+    """`generations/shard-00003.jsonl` → `generations/shard-00003.done.json`."""
+    return posixpath.splitext(path)[0] + ".done.json"
 
 
 def parse_jsonl(data: bytes) -> list[dict[str, Any]]:

@@ -72,7 +72,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
                 unmapped(context.target_fingerprint), unmapped(config.model.trust_remote_code), **at)
 
     return finish_run.submit(
-        config, context, prompts.rows, prompts.rejected, len(prompts.shards), allow_failure(generation),
+        config, context, prompts.rows, prompts.rejected, prompts.shards, allow_failure(generation),
         wait_for=[allow_failure(f) for f in [*validated, *sequences, *hidden]],
     ).result()
 

@@ -21,7 +21,7 @@ from eagle3_datagen.artifacts import PROMPTS_SUMMARY, REJECTED_PATH, ShardRef, s
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunStore, marker_path
 
 PromptFormat = Literal["auto", "sharegpt", "openai"]
 
@@ -242,6 +242,7 @@ def write_prompt_shards(
     for stale in store.list("prompts", ".jsonl"):  # left by an earlier run that had more shards
         if stale not in written:
             store.remove(stale)
+            store.remove(marker_path(stale))
 
     result = PromptLoadResult(shards, read, accepted, len(rejections))
     assert result.rows == result.accepted + result.rejected

@@ -30,6 +30,7 @@ from eagle3_datagen import __version__
 from eagle3_datagen.artifacts import (
     MANIFEST,
     TIMELINE,
+    ShardRef,
     artifact_path,
     prompt_id_of,
     rejected_path,
@@ -145,26 +146,26 @@ def _reasoning_tokens(record: dict[str, Any], end_id: int) -> int:
     return ids.index(end_id) if end_id in ids else len(ids)
 
 
-def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) -> dict[str, Any]:
-    """Per-stage status and counts of one shard, read from its artifacts."""
-    status: dict[str, Any] = {}
-    prompts = artifact_path("prompts", index)
-    status["prompts"] = {"status": "done", "records": len(store.read_jsonl(prompts))}
-    generations = artifact_path("generations", index)
-    if not store.exists(generations):
-        status["generations"] = {"status": "pending"}
-        return status
-    data = store.read_bytes(generations)
+def _summarized(store: RunStore, path: str, key: str, summarize: Callable[[bytes], dict[str, Any]]) -> dict[str, Any]:
+    """A shard file's counts, kept in its completion marker under `key` the first time they are read: a re-run
+    of a finished run reads markers, not shards."""
+    marker = store.read_marker(path)
+    if marker is not None and key in marker:
+        return dict(marker[key])
+    data = store.read_bytes(path)
+    summary = {"sha256": sha256_hex(data), **summarize(data)}
+    if marker is not None and marker["sha256"] == summary["sha256"]:
+        store.add_to_marker(marker, **{key: summary})
+    return summary
+
+
+def _generations_summary(data: bytes, end_id: int) -> dict[str, Any]:
     records = parse_jsonl(data)
-    rejected = rejected_path("generations", index)
     reasoning_lengths = [_reasoning_tokens(r, end_id) for r in records]
     answer_lengths = [len(r.get("completion_token_ids") or []) - n
                       for r, n in zip(records, reasoning_lengths, strict=True)]
-    status["generations"] = {
-        "status": "done",
-        "sha256": sha256_hex(data),
+    return {
         "records": len(records),
-        "rejected": len(store.read_jsonl(rejected)) if store.exists(rejected) else 0,
         "reasoning_coverage": sum(bool(r["reasoning"].strip()) for r in records) / max(1, len(records)),
         "truncated": sum(r["finish_reason"] == "length" for r in records),
         "mean_reasoning_tokens": statistics.fmean(reasoning_lengths) if records else 0.0,
@@ -172,6 +173,36 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
         "reasoning_lengths": reasoning_lengths,
         "answer_lengths": answer_lengths,
     }
+
+
+def _sequences_summary(data: bytes) -> dict[str, Any]:
+    table = pq.read_table(io.BytesIO(data), columns=["id", "num_tokens", "agrees"])
+    agrees = [a for a in table.column("agrees").to_pylist() if a is not None]
+    return {
+        "records": table.num_rows,
+        "tokens": sum(table.column("num_tokens").to_pylist()),
+        "accepted_prompts": len({prompt_id_of(i) for i in table.column("id").to_pylist()}),
+        "cross_checked": len(agrees),  # samples with server ids also rebuilt from text (sequences.cross_check_rate)
+        "text_rebuild_agreement": sum(agrees) / len(agrees) if agrees else None,
+    }
+
+
+def _rejected_count(store: RunStore, path: str) -> int:
+    return len(store.read_jsonl(path)) if store.exists(path) else 0
+
+
+def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id: int) -> dict[str, Any]:
+    """Per-stage status and counts of one shard, read from its artifacts (or their completion markers)."""
+    index = prompts.index
+    status: dict[str, Any] = {"prompts": {"status": "done", "records": prompts.num_records}}
+    generations = artifact_path("generations", index)
+    if not store.exists(generations):
+        status["generations"] = {"status": "pending"}
+        return status
+    summary = _summarized(store, generations, f"report_think_end_{end_id}",
+                          lambda data: _generations_summary(data, end_id))
+    status["generations"] = {"status": "done", **summary,
+                             "rejected": _rejected_count(store, rejected_path("generations", index))}
     validation = artifact_path("validation", index)
     if not store.exists(validation):
         status["validation"] = {"status": "pending"}
@@ -190,19 +221,8 @@ def shard_status(store: RunStore, index: int, hidden_states: bool, end_id: int) 
             reason, count = reasons.most_common(1)[0]
             status["sequences"] = {"status": "failed", "reasons": [f"{count} samples refused: {reason}"]}
         return status
-    data = store.read_bytes(sequences)
-    table = pq.read_table(io.BytesIO(data), columns=["id", "num_tokens", "agrees"])
-    agrees = [a for a in table.column("agrees").to_pylist() if a is not None]
-    status["sequences"] = {
-        "status": "done",
-        "sha256": sha256_hex(data),
-        "records": table.num_rows,
-        "rejected": len(store.read_jsonl(seq_rejected)) if store.exists(seq_rejected) else 0,
-        "tokens": sum(table.column("num_tokens").to_pylist()),
-        "accepted_prompts": len({prompt_id_of(i) for i in table.column("id").to_pylist()}),
-        "cross_checked": len(agrees),  # samples with server ids also rebuilt from text (sequences.cross_check_rate)
-        "text_rebuild_agreement": sum(agrees) / len(agrees) if agrees else None,
-    }
+    status["sequences"] = {"status": "done", **_summarized(store, sequences, "report", _sequences_summary),
+                           "rejected": _rejected_count(store, seq_rejected)}
     if hidden_states:
         index_path = artifact_path("hidden_states", index)
         if store.exists(index_path):
@@ -356,7 +376,7 @@ def run_plots(shards: dict[str, dict[str, Any]], rows: list[dict[str, Any]],
 
 @task(name="finish-run", task_run_name="{config.run_name}/finish-run", cache_policy=NO_CACHE)
 def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_rejections: int,
-               num_shards: int, generation: list[Any] | BaseException) -> dict[str, Any]:
+               prompt_shards: list[ShardRef], generation: list[Any] | BaseException) -> dict[str, Any]:
     """Manifest, report.md, its plots and the UI report; fail the run, naming the shards, if any fell short.
 
     `generation` is the generation task's result, or its error when it ended short.
@@ -364,7 +384,8 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
     store = RunStore(config.output_uri, config.run_name)
     with_hidden = config.hidden_states.backend != "none"
     end_id = context.think_tokens["end_id"]
-    shards = {shard_name(i): shard_status(store, i, with_hidden, end_id) for i in range(num_shards)}
+    num_shards = len(prompt_shards)
+    shards = {shard_name(ref.index): shard_status(store, ref, with_hidden, end_id) for ref in prompt_shards}
     last_stage = "hidden_states" if with_hidden else "sequences"
     shard_rows = [shard_row(name, status, last_stage) for name, status in shards.items()]
     timeline = store.read_jsonl(TIMELINE) if store.exists(TIMELINE) else []

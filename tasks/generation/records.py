@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -21,6 +23,8 @@ from eagle3_datagen.protocol import Completion
 from eagle3_datagen.storage import RunStore
 
 SETTINGS_FILE = "generations/settings.json"
+SEGMENT_RECORDS = 1000  # a partial-log segment in object storage holds at most this many entries...
+SEGMENT_EVERY_S = 10.0  # ...or what came in this many seconds
 
 
 class GenerationError(UserError):
@@ -101,20 +105,15 @@ def partial_log_path(store: RunStore, index: int) -> Path:
     return spool / hashlib.sha256(store.uri.encode()).hexdigest()[:16] / rel
 
 
-def read_partial_log(path: Path) -> dict[int, dict[str, Any]]:
-    """Finished entries by position; a torn last line (killed mid-write) is ignored.
+def segment_folder(index: int) -> str:
+    """Where a shard's partial log is copied in segments when the run lives in object storage."""
+    return artifact_path("generations", index).replace(".jsonl", ".partial")
 
-    A `discard` line voids the entry before it at that position (records of an aborted early-abort window),
-    so the prompt is asked again once the cause is fixed.
-    """
-    done: dict[int, dict[str, Any]] = {}
-    if not path.exists():
-        return done
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
+
+def replay(entries: Iterable[dict[str, Any]], done: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Apply partial-log entries in order: an entry per position, a `discard` voids the one before it (records of
+    an aborted early-abort window, asked again once the cause is fixed)."""
+    for entry in entries:
         if "discard" in entry:
             done.pop(entry["position"], None)
         else:
@@ -122,15 +121,43 @@ def read_partial_log(path: Path) -> dict[int, dict[str, Any]]:
     return done
 
 
+def read_partial_log(path: Path) -> dict[int, dict[str, Any]]:
+    """Finished entries by position from a local partial log; a torn last line (killed mid-write) is ignored."""
+    if not path.exists():
+        return {}
+    entries = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entries.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return replay(entries, {})
+
+
+def read_segments(store: RunStore, index: int) -> tuple[list[dict[str, Any]], int]:
+    """A shard's partial-log segments in run storage, in order, and how many there are."""
+    segments = store.list(segment_folder(index), ".jsonl")
+    return [entry for rel in segments for entry in store.read_jsonl(rel)], len(segments)
+
+
 @dataclass
 class ShardState:
-    """An unfinished shard: its entries so far (records or a rejection per position) and its partial log."""
+    """An unfinished shard: its entries so far (records or a rejection per position) and its partial log.
+
+    The log is appended on local disk as each entry comes. When the run lives in object storage, entries are
+    also `spill`ed there in segments (every SEGMENT_RECORDS entries or SEGMENT_EVERY_S seconds), so a lost
+    machine loses at most one segment and a re-run anywhere resumes from the rest.
+    """
 
     ref: ShardRef
     size: int
     log_path: Path
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
     log: IO[str] | None = None
+    spill: Callable[[str, list[dict[str, Any]]], None] | None = None
+    segments: int = 0
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    spilled_at: float = field(default_factory=time.monotonic)
 
     def append(self, entry: dict[str, Any]) -> None:
         if self.log is None:
@@ -138,12 +165,21 @@ class ShardState:
             self.log = self.log_path.open("a", encoding="utf-8")
         self.log.write(json.dumps(entry, ensure_ascii=False) + "\n")
         self.log.flush()
-        if "discard" in entry:
-            self.entries.pop(entry["position"], None)
-        else:
-            self.entries[entry["position"]] = entry
+        replay([entry], self.entries)
+        if self.spill is not None:
+            self.pending.append(entry)
+            if len(self.pending) >= SEGMENT_RECORDS or time.monotonic() - self.spilled_at >= SEGMENT_EVERY_S:
+                self.spill_segment()
+
+    def spill_segment(self) -> None:
+        if self.spill is not None and self.pending:
+            self.spill(f"{segment_folder(self.ref.index)}/segment-{self.segments:05d}.jsonl", self.pending)
+            self.segments += 1
+        self.pending, self.spilled_at = [], time.monotonic()
 
     def close(self) -> None:
+        """Keep what is pending (a run stopped short resumes from it) and close the local log."""
+        self.spill_segment()
         if self.log is not None:
             self.log.close()
             self.log = None
@@ -160,9 +196,11 @@ def finalize_shard(store: RunStore, state: ShardState) -> ShardRef:
     rejected = [e["rejected"] for e in ordered if "rejected" in e]
     if rejected:
         store.write_jsonl(rejected_path("generations", state.ref.index), rejected)
-    ref = store.write_shard("generations", state.ref.index, records)
+    ref = store.write_shard("generations", state.ref.index, records, prompts_sha256=state.ref.sha256)
+    state.pending = []  # the shard is written: nothing of it needs keeping any more
     state.close()
     state.log_path.unlink(missing_ok=True)
+    store.remove(segment_folder(state.ref.index))
     return ref
 
 
@@ -193,11 +231,22 @@ def finished_shard(
     return ShardRef("generations", index, path, data.count(b"\n"), sha256_hex(data)), entries
 
 
+def marked_finished(store: RunStore, prompts: ShardRef) -> ShardRef | None:
+    """The generations of a prompt shard, if their completion marker says they answer exactly these prompts:
+    a re-run of a finished run reads no shard, only markers."""
+    marker = store.read_marker(artifact_path("generations", prompts.index))
+    if marker is None or marker.get("prompts_sha256") != prompts.sha256:
+        return None
+    return ShardRef(*(marker[name] for name in ("stage", "index", "path", "num_records", "sha256")))
+
+
 def unfinished_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: str) -> list[int]:
     """Shards with prompts not yet generated: the server is needed only if this is non-empty."""
     store = RunStore(output_uri, run_name)
     unfinished = []
     for ref in prompt_shards:
+        if marked_finished(store, ref) is not None:
+            continue
         prompts = store.read_shard_records(ref)
         done = finished_shard(store, ref.index, prompts)
         if done is None or len(done[1]) < len(prompts):

@@ -37,10 +37,13 @@ from tasks.generation.records import (
     check_settings,
     finalize_shard,
     finished_shard,
+    marked_finished,
     new_records,
     partial_log_path,
     read_partial_log,
+    read_segments,
     record_settings,
+    replay,
 )
 
 STALL_TICK_S = 0.01
@@ -110,18 +113,26 @@ class GenerationScheduler:
         self._swept = False  # shards completed inside the window were finalized once it passed
         self._kept_before = False  # the run already held records when this attempt started
         self._run_budget: Callable[[str], AbstractAsyncContextManager[Any]] = _no_shared_budget
+        # a run in object storage keeps its partial logs there too, in segments written by the writer thread
+        self._spill = None if store.local_path("generations") else self._spill_segment
+        self._writing = True
 
     def plan(self, prompt_shards: list[ShardRef]) -> None:
         check_settings(self.store, self.settings)
         seed_base = self.settings.generation.seed
         for ref in prompt_shards:
+            if (marked := marked_finished(self.store, ref)) is not None:
+                self.finished[ref.index] = marked
+                continue
             prompts = self.store.read_shard_records(ref)
             previous = finished_shard(self.store, ref.index, prompts)
             if previous is not None and len(previous[1]) == len(prompts):
                 self.finished[ref.index] = previous[0]
                 continue
-            state = ShardState(ref, len(prompts), partial_log_path(self.store, ref.index))
-            state.entries = {**(previous[1] if previous else {}), **read_partial_log(state.log_path)}
+            state = ShardState(ref, len(prompts), partial_log_path(self.store, ref.index), spill=self._spill)
+            segments, state.segments = read_segments(self.store, ref.index) if self._spill else ([], 0)
+            state.entries = replay(segments, dict(previous[1]) if previous else {})
+            state.entries.update(read_partial_log(state.log_path))
             self.states[ref.index] = state
             for position, prompt in enumerate(prompts):
                 if position not in state.entries:
@@ -161,9 +172,10 @@ class GenerationScheduler:
             self.pool.close()
             for index, write in self._writes.items():
                 self.finished[index] = await write
-            self._writer.shutdown()
             for state in self.states.values():
-                state.close()
+                state.close()  # what is pending goes to run storage: a re-run anywhere resumes from it
+            self._writer.shutdown()
+            self._writing = False
             await asyncio.gather(*(c.aclose() for c in clients))
             self._record_findings()
             gc.unfreeze()
@@ -234,6 +246,14 @@ class GenerationScheduler:
                 self._finalize(index)
         elif prompt.shard in self.states and self.states[prompt.shard].complete:
             self._finalize(prompt.shard)
+
+    def _spill_segment(self, rel: str, entries: list[dict[str, Any]]) -> None:
+        """Write a partial-log segment from the writer thread (in order, before its shard is finalized); once the
+        requests are over (an aborted window's discards), here."""
+        if self._writing:
+            self._writer.submit(self.store.write_jsonl, rel, entries)
+        else:
+            self.store.write_jsonl(rel, entries)
 
     def _finalize(self, index: int) -> None:
         """Write a finished shard from a thread: the event loop goes on sending while it is written."""

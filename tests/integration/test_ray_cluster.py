@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,26 +32,33 @@ OUTPUTS = ("generations/shard-*.jsonl", "validation/shard-*.json", "sequences/sh
            "hidden_states/*/index.json", "hidden_states/*/*.safetensors", "rejected/*.jsonl")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A head and one worker node, one CPU each, their files under the test folder (Ray's default is /tmp)."""
+@contextmanager
+def local_cluster(head_cpus: int, workers: int) -> Iterator[Any]:
+    """A head and worker nodes, one CPU each. Their files go to a short folder (Unix socket paths are limited to
+    107 bytes, too few under a deep checkout) that is removed with everything in it when the cluster stops."""
     import ray
     from ray.cluster_utils import Cluster
 
-    ray_tmp = tmp_path_factory.getbasetemp() / "ray"
-    ray_tmp.mkdir()
-    saved = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = str(ray_tmp)
-    cluster = Cluster(initialize_head=True, head_node_args={**NODE, "include_dashboard": False})
-    try:
-        cluster.add_node(**NODE)
-        cluster.wait_for_nodes()
+    ray_tmp = tempfile.mkdtemp(prefix="e3ray-")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_TMPDIR", ray_tmp)
+        cluster = Cluster(initialize_head=True, head_node_args={**NODE, "num_cpus": head_cpus,
+                                                                "include_dashboard": False})
+        try:
+            for _ in range(workers):
+                cluster.add_node(**NODE)
+            cluster.wait_for_nodes()
+            yield cluster
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    with local_cluster(head_cpus=1, workers=1) as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        os.environ.pop("RAY_TMPDIR") if saved is None else os.environ.update(RAY_TMPDIR=saved)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture
@@ -101,3 +112,44 @@ def test_a_cluster_that_cannot_run_the_job_is_refused_in_one_line_before_any_wor
                             ray_address=ray_cluster.address, extraction_gpus=1))
     assert server.log.bodies == [], "refused before a single request"
     assert not (tmp_path / "no-gpu" / "generations").exists()
+
+
+def test_a_worker_node_killed_mid_run_loses_and_duplicates_nothing(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """Generation runs on the only worker node (the head takes no tasks); that node's raylet is killed while
+    requests are in flight, a new node joins. Ray runs the task again there (it resumes from the partial logs), or
+    the run ends Failed and a re-run finishes it: either way every prompt is answered exactly once."""
+    script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), latency_s=0.4)
+    with ScriptedServer(script) as server, \
+            local_cluster(head_cpus=0, workers=1) as cluster:
+        doomed = next(node for node in cluster.worker_nodes)
+        settings = config(tiny_model, server.url, tmp_path, "killed", task_runner="ray", ray_address=cluster.address)
+        settings = settings.model_copy(update={"server": settings.server.model_copy(update={"max_in_flight": 2})})
+        ended: list[BaseException | None] = []
+
+        def run() -> None:
+            try:
+                run_pipeline(settings)
+                ended.append(None)
+            except BaseException as error:  # the run may end Failed: a re-run must finish it
+                ended.append(error)
+
+        runner = threading.Thread(target=run)
+        runner.start()
+        while len(server.log.bodies) < 6 and runner.is_alive():
+            time.sleep(0.05)
+        cluster.add_node(**NODE)
+        cluster.remove_node(doomed, allow_graceful=False)  # SIGKILL: the raylet and its workers
+        runner.join(timeout=400)
+        assert not runner.is_alive()
+        if ended[0] is not None:
+            run_pipeline(settings)
+        assert len(server.log.bodies) <= 24 + 2, "only the requests in flight on the killed node are asked again"
+    from eagle3_datagen.storage import RunStore
+    from tasks.verify import verify_run
+
+    verification = verify_run(RunStore(str(tmp_path), "killed"))
+    assert verification.complete, verification.verdict()
+    answered = [json.loads(line)["id"] for f in sorted((tmp_path / "killed").glob("generations/shard-*.jsonl"))
+                for line in f.read_text().splitlines()]
+    assert len(answered) == len(set(answered)) == 24, "no prompt lost or answered twice"

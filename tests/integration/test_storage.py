@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,27 +101,54 @@ def test_a_run_on_s3_writes_every_artifact_and_its_cache_there(s3_endpoint: str,
     from eagle3_datagen.think_tokens import load_tokenizer
 
     data = tmp_path / "q.jsonl"
-    data.write_text("".join(f'{{"messages": [{{"role": "user", "content": "question {i}"}}]}}\n' for i in range(6)))
-    with prefect_test_harness(server_startup_timeout=120), \
-            ScriptedServer(Script(model="kimi", tokenizer=load_tokenizer(str(KIMI_DIR)))) as server:
+    data.write_text("".join(f'{{"messages": [{{"role": "user", "content": "question {i}"}}]}}\n' for i in range(80)))
+    script = Script(model="kimi", tokenizer=load_tokenizer(str(KIMI_DIR)), reasoning_chars=20_000)
+    with prefect_test_harness(server_startup_timeout=120), ScriptedServer(script) as server:
         config = parse_config({
             "run_name": "s3run", "output_uri": "s3://eagle3-test/runs",
-            "data": {"source": str(data), "shard_size": 4},
+            "data": {"source": str(data), "shard_size": 40},
             "model": {"name": "kimi", "profile": "kimi-k2.5", "tokenizer": str(KIMI_DIR)},
-            "server": {"endpoints": [server.url]}, "hidden_states": {"backend": "none"},
+            "server": {"endpoints": [server.url]}, "generation": {"max_tokens": 32768},
+            "hidden_states": {"backend": "none"},
         })
         run_pipeline(config)
         requests = server.log.requests
-        second = run_pipeline(config)
+        with counted_s3_reads() as reads:
+            second = run_pipeline(config)
         assert server.log.requests == requests
     assert any("work tasks cached" in line for line in second["stages"])
     store = RunStore.at("s3://eagle3-test/runs/s3run")
+    written = sum(store.fs.du(store.root, total=False).values())
+    print(f"re-run of a finished run on S3: {reads['bytes']:,} bytes read in {reads['gets']} GETs, "
+          f"{reads['requests']} requests in all; the first run wrote {written:,} bytes")
+    assert reads["bytes"] < 0.01 * written, "a re-run learns what is finished from markers, not by reading shards"
     assert store.read_json("manifest.json")["status"] == "completed"
     assert store.list("sequences", ".parquet") == ["sequences/shard-00000.parquet", "sequences/shard-00001.parquet"]
     assert store.list(".prefect-results"), "the task cache lives in the run's own storage"
     from tasks.verify import verify_run
 
     assert verify_run(store).problems == []
+
+
+@contextmanager
+def counted_s3_reads() -> Iterator[dict[str, int]]:
+    """Every S3 request this process makes, and the object bytes its GETs return (whole objects and ranges)."""
+    from s3fs.core import S3FileSystem
+
+    counts = {"requests": 0, "gets": 0, "bytes": 0}
+    call = S3FileSystem._call_s3
+
+    async def counted_call(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        response = await call(self, method, *args, **kwargs)
+        counts["requests"] += 1
+        if method == "get_object":
+            counts["gets"] += 1
+            counts["bytes"] += int(response.get("ContentLength") or 0)
+        return response
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(S3FileSystem, "_call_s3", counted_call)
+        yield counts
 
 
 def test_a_restarted_s3_gateway_costs_a_retry_not_an_artifact(s3_endpoint: str, tmp_path: Path) -> None:
@@ -175,3 +204,32 @@ def test_hidden_states_export_from_s3_to_s3_loads_back(s3_endpoint: str, tmp_pat
         loaded = load_safetensors(out.read_bytes(f"hidden_states/hs_{i}.safetensors"))
         assert loaded["hidden_states"].shape == (int(rows[i]["seq_len"]), 4, HIDDEN)
         assert loaded["token_ids"].equal(rows[i]["input_ids"])
+
+
+def test_a_run_in_s3_resumes_on_another_machine_from_its_partial_log_segments(
+        s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Generation stops short with shards half done; the local spool is gone (another machine, a lost disk):
+    the re-run finds the answered prompts in the run's own storage and asks only the others."""
+    from test_generation_faults import run_generation, write_prompt_shards
+
+    from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
+    from tasks.generation import GenerationError
+    from tasks.generation.records import segment_folder
+
+    store = RunStore(f"s3://eagle3-test/{tmp_path.name}", "run")
+    refs = write_prompt_shards(store, 2, 12)
+    monkeypatch.setenv("EAGLE3_SPOOL_DIR", str(tmp_path / "first-machine"))
+    with ScriptedServer(Script(unavailable_for="question 1-1")) as server:
+        with pytest.raises(GenerationError):
+            run_generation(store, refs, [server.url], budget=4, give_up_after_s=1, max_consecutive_errors=3,
+                           max_retries=0)
+        answered = server.log.requests
+    assert store.list(segment_folder(1), ".jsonl"), "shard 1's answered prompts are in run storage"
+    monkeypatch.setenv("EAGLE3_SPOOL_DIR", str(tmp_path / "second-machine"))
+    with ScriptedServer(Script()) as server:
+        run_generation(store, refs, [server.url], budget=4)
+        asked_again = [body["messages"][-1]["content"] for body in server.log.bodies]
+    assert len(asked_again) < 12 and "question 1-1" in asked_again, (answered, asked_again)
+    assert not store.list(segment_folder(1)), "a finished shard's segments are removed"
+    ids = [r["id"] for ref in refs for r in store.read_jsonl(f"generations/shard-{ref.index:05d}.jsonl")]
+    assert len(ids) == len(set(ids)) == 24, "every prompt answered exactly once"
