@@ -21,7 +21,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3_datagen.artifacts import MANIFEST, ShardRef
+from eagle3_datagen.artifacts import MANIFEST, ShardRef, artifact_path
 from eagle3_datagen.config import ServerConfig, ValidationConfig
 from eagle3_datagen.protocol import OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
@@ -102,7 +102,9 @@ class GenerationScheduler:
         self.on_progress = on_progress
         self.finished: dict[int, ShardRef] = {}
         self.states: dict[int, ShardState] = {}
-        self.queue: deque[Prompt] = deque()
+        self.queue: deque[Prompt] = deque()  # prompts to ask, filled a few shards ahead (`_refill`)
+        self._unqueued: deque[ShardRef] = deque()  # unfinished shards whose prompts are not queued yet
+        self._lookahead = 0
         self.counts = _Counts()
         self.total = 0
         self.longest_stall_s = 0.0
@@ -118,33 +120,44 @@ class GenerationScheduler:
         self._writing = True
 
     def plan(self, prompt_shards: list[ShardRef]) -> None:
+        """What is left to ask, shard by shard; the prompts themselves are queued later, a few shards ahead."""
         check_settings(self.store, self.settings)
-        seed_base = self.settings.generation.seed
         for ref in prompt_shards:
             if (marked := marked_finished(self.store, ref)) is not None:
                 self.finished[ref.index] = marked
                 continue
-            prompts = self.store.read_shard_records(ref)
-            previous = finished_shard(self.store, ref.index, prompts)
-            if previous is not None and len(previous[1]) == len(prompts):
+            written_before = self.store.exists(artifact_path("generations", ref.index))  # for other prompts
+            previous = finished_shard(self.store, ref.index, self.store.read_shard_records(ref)) \
+                if written_before else None
+            if previous is not None and len(previous[1]) == ref.num_records:
                 self.finished[ref.index] = previous[0]
                 continue
-            state = ShardState(ref, len(prompts), partial_log_path(self.store, ref.index), spill=self._spill)
+            state = ShardState(ref, ref.num_records, partial_log_path(self.store, ref.index), spill=self._spill)
             segments, state.segments = read_segments(self.store, ref.index) if self._spill else ([], 0)
             state.entries = replay(segments, dict(previous[1]) if previous else {})
             state.entries.update(read_partial_log(state.log_path))
             self.states[ref.index] = state
-            for position, prompt in enumerate(prompts):
-                if position not in state.entries:
-                    seed = None if seed_base is None else seed_base + prompt["row"]
-                    self.queue.append(Prompt(ref.index, position, prompt["id"], prompt["messages"], seed))
+            if len(state.entries) < ref.num_records:
+                self._unqueued.append(ref)
+                self.total += ref.num_records - len(state.entries)
         self._kept_before = bool(self.finished) or any(state.entries for state in self.states.values())
         for index in [i for i, state in self.states.items() if state.complete]:
             self.finished[index] = finalize_shard(self.store, self.states.pop(index))
 
+    def _refill(self) -> None:
+        """Queue the next shards' unanswered prompts while fewer than a budget's worth wait: memory holds a few
+        shards' prompts, whatever the run's size."""
+        seed_base = self.settings.generation.seed
+        while len(self.queue) < self._lookahead and self._unqueued:
+            ref = self._unqueued.popleft()
+            done = self.states[ref.index].entries
+            for position, prompt in enumerate(self.store.read_shard_records(ref)):
+                if position not in done:
+                    seed = None if seed_base is None else seed_base + prompt["row"]
+                    self.queue.append(Prompt(ref.index, position, prompt["id"], prompt["messages"], seed))
+
     async def run(self, prompt_shards: list[ShardRef]) -> list[ShardRef]:
         self.plan(prompt_shards)
-        self.total = len(self.queue)
         if self.total == 0:
             return [self.finished[r.index] for r in prompt_shards]
         if self.server.share_budget_across_runs:
@@ -152,6 +165,7 @@ class GenerationScheduler:
         gc.freeze()  # what start-up built lives for the whole run: keep full collections from walking it
         auto = self.server.max_in_flight == "auto"
         limit = AUTO_START if auto else int(self.server.max_in_flight)
+        self._lookahead = 2 * (AUTO_CAP if auto else limit) * len(self.server.endpoints)
         key = api_key(self.server)
         clients = [OpenAIClient(url, key, self.server.request_timeout_s, AUTO_CAP if auto else limit)
                    for url in self.server.endpoints]
@@ -188,7 +202,10 @@ class GenerationScheduler:
 
     async def _dispatch(self) -> None:
         """Take an admission and a slot, then the next prompt, and start its request; then wait for the last."""
-        while self.queue:
+        while True:
+            self._refill()
+            if not self.queue:
+                break
             admission = await self.probation.admit()
             if admission == "aborted":
                 break

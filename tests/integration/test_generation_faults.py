@@ -365,3 +365,26 @@ def test_an_early_abort_counts_refusals_and_names_the_servers_reason(tmp_path: P
             run_generation(store, refs, [server.url], budget=4, validation=ValidationConfig(early_abort_after=8))
         assert server.log.requests <= 8, "more refusals than min_accepted_rate allows: the run stops at once"
     assert not any(store.exists(rejected_path("generations", ref.index)) for ref in refs)
+
+
+def test_prompts_are_queued_a_few_shards_ahead_never_the_whole_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A million prompts must not sit in memory at once: the queue holds about two budgets' worth plus the
+    shard being opened, and every prompt is still answered exactly once."""
+    from tasks.generation.scheduler import GenerationScheduler
+
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 12, 10)
+    longest: list[int] = []
+    refill = GenerationScheduler._refill
+
+    def watched(self: GenerationScheduler) -> None:
+        refill(self)
+        longest.append(len(self.queue))
+
+    monkeypatch.setattr(GenerationScheduler, "_refill", watched)
+    with ScriptedServer(Script(latency_s=0.01)) as server:
+        written = run_generation(store, refs, [server.url], budget=3)
+    assert max(longest) <= 2 * 3 + 10, "two budgets ahead, plus at most one shard opened past them"
+    assert [ref.num_records for ref in written] == [10] * 12
+    assert_exactly_once(store, refs)
