@@ -17,7 +17,7 @@ from pathlib import Path
 from eagle3_datagen.config import SequencesConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
-from tasks.sequences import build_sequences
+from tasks.sequences import build_sequences, text_rebuilds
 
 WORDS = [
     "the",
@@ -76,16 +76,13 @@ def main() -> None:
     spec = discover_think_tokens(tokenizer, profile)
     every, default_rate = SequencesConfig(cross_check_rate=1.0), SequencesConfig()
     drafts = synthetic_records(args.samples)
-    built = build_sequences(drafts, tokenizer, profile, spec, SequencesConfig(source="text")).sequences
-    assert len(built) == len(drafts), "every synthetic sample rebuilds"
     text_records, server_records = [], []
-    for record, sequence in zip(drafts, built, strict=True):  # what a server returns: usage counts, then ids
-        cut = sequence.loss_mask.index(1)
-        usage = {"prompt_tokens": cut, "completion_tokens": len(sequence.input_ids) - cut}
+    for record, (prompt, completion) in zip(drafts, text_rebuilds(drafts, tokenizer, profile, spec), strict=True):
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(completion)}  # what a server returns
         text_records.append({**record, "usage": usage})
-        server_records.append({**record, "usage": usage, "prompt_token_ids": sequence.input_ids[:cut],
-                               "completion_token_ids": sequence.input_ids[cut:]})
-    tokens = sum(len(s.input_ids) for s in built)
+        server_records.append({**record, "usage": usage, "prompt_token_ids": prompt,
+                               "completion_token_ids": completion})
+    tokens = sum(r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] for r in text_records)
     plain_texts = [r["messages"][0]["content"] + r["reasoning"] + r["content"] for r in drafts]
 
     plain = best_of(args.repeats, lambda: tokenizer(plain_texts, add_special_tokens=False))
@@ -94,7 +91,7 @@ def main() -> None:
         "server ids, every sample cross-checked": (server_records, every),
         f"server ids, {default_rate.cross_check_rate:.0%} cross-checked (default)": (server_records, default_rate),
     }
-    print(f"{args.samples} samples, {tokens} tokens, tokenizer {Path(args.tokenizer).name}, one process (one core)")
+    print(f"{args.samples} samples, {tokens} tokens, tokenizer {Path(args.tokenizer).name}, one process")
     print(f"{'plain tokenizer(batch)':<44} {tokens / plain:12,.0f} tokens/s")
     for name, (records, settings) in ways.items():
         took = best_of(args.repeats, lambda r=records, s=settings: build_sequences(r, tokenizer, profile, spec, s))

@@ -160,7 +160,7 @@ def _needs_text(record: dict[str, Any], settings: SequencesConfig) -> bool:
     return settings.source == "text" or cross_checked(prompt_id_of(record["id"]), settings.cross_check_rate)
 
 
-def _text_rebuilds(records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, profile: ModelProfile,
+def text_rebuilds(records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, profile: ModelProfile,
                    spec: ThinkTokenSpec) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, completion ids) rebuilt from each record's text, batch-tokenized."""
     if not records:
@@ -185,7 +185,7 @@ def build_sequences(
     Only the samples that need it are rebuilt from text: those without server ids, and the cross-check sample.
     """
     need_text = [_needs_text(record, settings) for record in records]
-    rebuilt = iter(_text_rebuilds([r for r, needed in zip(records, need_text, strict=True) if needed],
+    rebuilt = iter(text_rebuilds([r for r, needed in zip(records, need_text, strict=True) if needed],
                                   tokenizer, profile, spec))
     text = [next(rebuilt) if needed else None for needed in need_text]
     # a request's samples are rebuilt together or not at all (same ids, same prompt): their sums stay whole
