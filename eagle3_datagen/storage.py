@@ -137,10 +137,10 @@ class RunStore:
         file, without reading the shards (gigabytes on a large run). A file replaced or moved since its marker
         was written has another size or none, and the marker is ignored.
         """
-        marker = marker_path(path)
-        if not self.exists(marker):
+        try:
+            found = self.read_json(marker_path(path))
+        except FileNotFoundError:
             return None
-        found = self.read_json(marker)
         return found if self.size(path) == found.get("bytes") else None
 
     def add_to_marker(self, marker: dict[str, Any], **facts: Any) -> None:
