@@ -76,22 +76,32 @@ def final_rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
     return weight.to(states.dtype) * hidden.to(states.dtype)
 
+def encode_part(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A part's file bytes: the one place the stored encoding of a part is decided."""
+    return save_safetensors(tensors, metadata=metadata)
+
+
+def read_part(store: RunStore, index_rel: str, part: dict) -> dict[str, torch.Tensor]:
+    """One part of a finished shard, checked against the index's size and sha256, decoded to plain tensors."""
+    rel = posixpath.join(posixpath.dirname(index_rel), part["file"])
+    data = store.read_bytes(rel)
+    if len(data) != part["bytes"] or sha256_hex(data) != part["sha256"]:
+        raise HiddenStatesError(f"{rel} does not match its checksum in {index_rel}: re-run hidden_states")
+    return load_safetensors(data)
+
+
 def read_hidden_state_shard(store: RunStore, index_rel: str) -> Iterator[Sample]:
-    """Every sample of a finished shard, part by part, each part checked against the index's size and sha256."""
+    """Every sample of a finished shard, part by part, each part checked against the index."""
     index = store.read_json(index_rel)
-    folder = posixpath.dirname(index_rel)
     ids_by_part: dict[int, list[str]] = {}
     for sample_id, (part, _row) in sorted(index["samples"].items(), key=lambda item: item[1]):
         ids_by_part.setdefault(part, []).append(sample_id)
     for part_number, part in enumerate(index["parts"]):
-        rel = posixpath.join(folder, part["file"])
-        data = store.read_bytes(rel)
-        if len(data) != part["bytes"] or sha256_hex(data) != part["sha256"]:
-            raise HiddenStatesError(f"{rel} does not match its checksum in {index_rel}: re-run hidden_states")
-        tensors = load_safetensors(data)
+        tensors = read_part(store, index_rel, part)
         offsets = tensors["offsets"].tolist()
         ids = ids_by_part.get(part_number, [])
         if len(offsets) != len(ids) + 1 or offsets[0] != 0 or offsets[-1] != part["num_tokens"]:
+            rel = posixpath.join(posixpath.dirname(index_rel), part["file"])
             raise HiddenStatesError(f"{rel}: offsets do not match the {len(ids)} samples listed in {index_rel}")
         for sample_id, start, end in zip(ids, offsets[:-1], offsets[1:], strict=True):
             yield Sample(sample_id, *(tensors[name][start:end] for name in PART_TENSORS))

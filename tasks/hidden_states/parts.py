@@ -24,6 +24,7 @@ from eagle3_datagen.hidden_state_format import (
     PART_TENSORS,
     HiddenStatesError,
     Sample,
+    encode_part,
     save_safetensors,
 )
 from eagle3_datagen.storage import RunStore
@@ -97,7 +98,7 @@ class _PartWriter:
         tensors = {name: torch.cat([getattr(sample, name) for sample in samples]) for name in PART_TENSORS}
         del samples
         tensors["offsets"] = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
-        data = save_safetensors(tensors, metadata={**self.metadata, "sample_ids": json.dumps(ids)})
+        data = encode_part(tensors, {**self.metadata, "sample_ids": json.dumps(ids)})
         del tensors
         name = f"part-{len(self.parts):05d}.safetensors"
         self.store.write_bytes(posixpath.join(self.folder, name), data)
