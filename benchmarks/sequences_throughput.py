@@ -1,8 +1,9 @@
 """Token-sequence building speed: both ways (server ids, rebuilt from text) beside a plain tokenizer call.
 
 Prints tokens per second for each way (text only; server ids with every sample or the default sample
-cross-checked) and its throughput ratio to `tokenizer(batch)` on the same text, measured in one
-run so the machine's noise cancels out. Usage:
+cross-checked) and its throughput ratio to two bare calls on the same text: `tokenizer(batch)` and the Rust
+backend's `encode_batch_fast` (the fastest bare call, the one the stage makes), measured in one run so the
+machine's noise cancels out. Usage:
 
     .venv/bin/python benchmarks/sequences_throughput.py [--tokenizer ../shared/tokenizers/kimi-k2.5] [--samples 2000]
 """
@@ -86,16 +87,20 @@ def main() -> None:
     plain_texts = [r["messages"][0]["content"] + r["reasoning"] + r["content"] for r in drafts]
 
     plain = best_of(args.repeats, lambda: tokenizer(plain_texts, add_special_tokens=False))
+    backend = tokenizer.backend_tokenizer
+    fastest = best_of(args.repeats, lambda: backend.encode_batch_fast(plain_texts, add_special_tokens=False))
     ways = {
         "rebuilt from text (no ids)": (text_records, default_rate),
         "server ids, every sample cross-checked": (server_records, every),
         f"server ids, {default_rate.cross_check_rate:.0%} cross-checked (default)": (server_records, default_rate),
     }
     print(f"{args.samples} samples, {tokens} tokens, tokenizer {Path(args.tokenizer).name}, one process")
-    print(f"{'plain tokenizer(batch)':<44} {tokens / plain:12,.0f} tokens/s")
+    print(f"{'bare tokenizer(batch)':<44} {tokens / plain:12,.0f} tokens/s")
+    print(f"{'bare backend encode_batch_fast':<44} {tokens / fastest:12,.0f} tokens/s")
+    print(f"{'':<44} {'':>12}            / tokenizer(batch)  / encode_batch_fast")
     for name, (records, settings) in ways.items():
         took = best_of(args.repeats, lambda r=records, s=settings: build_sequences(r, tokenizer, profile, spec, s))
-        print(f"{name:<44} {tokens / took:12,.0f} tokens/s   throughput / plain tokenizer {plain / took:5.2f}x")
+        print(f"{name:<44} {tokens / took:12,.0f} tokens/s   {plain / took:16.2f}x {fastest / took:18.2f}x")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import (
     ThinkTokenSpec,
     discover_think_tokens,
+    encode_texts,
     load_tokenizer,
     render_generation_prompt,
 )
@@ -165,7 +166,7 @@ def text_rebuilds(records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerB
     """(prompt ids, completion ids) rebuilt from each record's text, batch-tokenized."""
     if not records:
         return []
-    encode = lambda texts: tokenizer(texts, add_special_tokens=False)["input_ids"]  # noqa: E731
+    encode = lambda texts: encode_texts(tokenizer, texts)  # noqa: E731
     prompt_ids = encode([render_generation_prompt(tokenizer, r["messages"], profile) for r in records])
     reasoning_ids = encode([r["reasoning"] for r in records])
     content_ids = encode([r["content"] or "" for r in records])
