@@ -6,6 +6,7 @@ the old file or the new one, never half of one.
 
 from __future__ import annotations
 
+import io
 import json
 import posixpath
 import time
@@ -164,9 +165,10 @@ class RunStore:
             )
         return data
 
-    def read_shard_records(self, ref: ShardRef) -> list[dict[str, Any]]:
-        """The JSONL records of a checked shard."""
-        return parse_jsonl(self.read_shard(ref))
+    def read_shard_records(self, ref: ShardRef) -> Iterator[dict[str, Any]]:
+        """The JSONL records of a shard, checked now and parsed as they are iterated: a stage holds one shard's
+        bytes, never all its parsed records at once."""
+        return iter_jsonl(self.read_shard(ref))
 
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
         return parse_jsonl(self.read_bytes(rel))
@@ -205,9 +207,14 @@ def marker_path(path: str) -> str:
     return posixpath.splitext(path)[0] + ".done.json"
 
 
+def iter_jsonl(data: bytes) -> Iterator[dict[str, Any]]:
+    """The records of a JSON Lines file's bytes, one at a time (blank lines skipped)."""
+    return (json.loads(line) for line in io.BytesIO(data) if line.strip())
+
+
 def parse_jsonl(data: bytes) -> list[dict[str, Any]]:
     """The records of a JSON Lines file's bytes (blank lines skipped)."""
-    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+    return list(iter_jsonl(data))
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> set[str]:

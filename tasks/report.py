@@ -42,7 +42,7 @@ from eagle3_datagen.config import ConfigError, PipelineConfig, absolute_uri, par
 from eagle3_datagen.errors import UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.redaction import redact
-from eagle3_datagen.storage import RunStore, parse_jsonl
+from eagle3_datagen.storage import RunStore, iter_jsonl
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
 
 
@@ -160,14 +160,18 @@ def _summarized(store: RunStore, path: str, key: str, summarize: Callable[[bytes
 
 
 def _generations_summary(data: bytes, end_id: int) -> dict[str, Any]:
-    records = parse_jsonl(data)
-    reasoning_lengths = [_reasoning_tokens(r, end_id) for r in records]
-    answer_lengths = [len(r.get("completion_token_ids") or []) - n
-                      for r, n in zip(records, reasoning_lengths, strict=True)]
+    reasoning_lengths, answer_lengths, with_reasoning, truncated = [], [], 0, 0
+    for record in iter_jsonl(data):
+        reasoning = _reasoning_tokens(record, end_id)
+        reasoning_lengths.append(reasoning)
+        answer_lengths.append(len(record.get("completion_token_ids") or []) - reasoning)
+        with_reasoning += bool(record["reasoning"].strip())
+        truncated += record["finish_reason"] == "length"
+    records = len(reasoning_lengths)
     return {
-        "records": len(records),
-        "reasoning_coverage": sum(bool(r["reasoning"].strip()) for r in records) / max(1, len(records)),
-        "truncated": sum(r["finish_reason"] == "length" for r in records),
+        "records": records,
+        "reasoning_coverage": with_reasoning / max(1, records),
+        "truncated": truncated,
         "mean_reasoning_tokens": statistics.fmean(reasoning_lengths) if records else 0.0,
         "mean_answer_tokens": statistics.fmean(answer_lengths) if records else 0.0,
         "reasoning_lengths": reasoning_lengths,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,9 @@ SCHEMA = pa.schema([
     ("agrees", pa.bool_()),
     ("first_diff", pa.int32()),
 ])
+
+
+CHUNK_RECORDS = 64  # records built at once: large enough for batch tokenizing, small enough to stay flat
 
 
 class RebuildMismatch(UserError):
@@ -227,8 +231,8 @@ def build_sequences(
     return shard
 
 
-def to_parquet(sequences: list[Sequence]) -> bytes:
-    table = pa.table(
+def to_table(sequences: list[Sequence]) -> pa.Table:
+    return pa.table(
         {
             "id": [s.id for s in sequences],
             "input_ids": [s.input_ids for s in sequences],
@@ -240,9 +244,25 @@ def to_parquet(sequences: list[Sequence]) -> bytes:
         },
         schema=SCHEMA,
     )
+
+
+def to_parquet(tables: list[pa.Table]) -> bytes:
     buffer = io.BytesIO()
-    pq.write_table(table, buffer)
+    pq.write_table(pa.concat_tables(tables) if tables else SCHEMA.empty_table(), buffer)
     return buffer.getvalue()
+
+
+def whole_prompts(records: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
+    """Records in chunks of about `size`, never splitting a prompt's samples (their usage counts are one
+    request's), so a shard's records are never all parsed at once."""
+    chunk: list[dict[str, Any]] = []
+    for record in records:
+        if len(chunk) >= size and prompt_id_of(record["id"]) != prompt_id_of(chunk[-1]["id"]):
+            yield chunk
+            chunk = []
+        chunk.append(record)
+    if chunk:
+        yield chunk
 
 
 @task(name="build-sequences", task_run_name="{run_name}/build-sequences-{generations.index:05d}", retries=1,
@@ -264,16 +284,22 @@ def build_sequence_shard(
     store = RunStore(output_uri, run_name)
     tok = load_tokenizer(tokenizer)
     spec = discover_think_tokens(tok, profile)
-    shard = build_sequences(store.read_shard_records(generations), tok, profile, spec, settings)
-    if shard.rejected:
-        store.write_jsonl(rejected_path("sequences", generations.index), shard.rejected)
-    rate = shard.count_mismatches / shard.rebuilt_from_text if shard.rebuilt_from_text else 0.0
+    tables, rejected, rebuilt_from_text, count_mismatches = [], [], 0, 0
+    for records in whole_prompts(store.read_shard_records(generations), CHUNK_RECORDS):
+        chunk = build_sequences(records, tok, profile, spec, settings)
+        tables.append(to_table(chunk.sequences))
+        rejected += chunk.rejected
+        rebuilt_from_text += chunk.rebuilt_from_text
+        count_mismatches += chunk.count_mismatches
+    if rejected:
+        store.write_jsonl(rejected_path("sequences", generations.index), rejected)
+    rate = count_mismatches / rebuilt_from_text if rebuilt_from_text else 0.0
     if rate > max_rebuild_mismatch_rate:
         raise RebuildMismatch(
-            f"shard {generations.index:05d}: {shard.count_mismatches} of {shard.rebuilt_from_text} text-rebuilt "
+            f"shard {generations.index:05d}: {count_mismatches} of {rebuilt_from_text} text-rebuilt "
             f"samples disagree with the server's token counts ({rate:.1%} > validation.max_rebuild_mismatch_rate "
             f"{max_rebuild_mismatch_rate:.1%}): see {rejected_path('sequences', generations.index)} for each cause; "
             "use a server that returns token ids (vLLM >= 0.10.2) for exact sequences"
         )
-    return store.write_shard_bytes("sequences", generations.index, to_parquet(shard.sequences),
-                                   len(shard.sequences))
+    return store.write_shard_bytes("sequences", generations.index, to_parquet(tables),
+                                   sum(table.num_rows for table in tables))

@@ -7,6 +7,7 @@ training set, and its task fails so the run says so.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -69,38 +70,39 @@ def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec, close
 
 def validate_records(
     index: int,
-    records: list[dict[str, Any]],
+    records: Iterable[dict[str, Any]],
     profile: ModelProfile,
     thresholds: ValidationConfig,
     decode: Any | None = None,
     spec: ThinkTokenSpec | None = None,
 ) -> ShardValidation:
-    """Count what can silently ruin training data and decide pass or quarantine."""
+    """Count what can silently ruin training data and decide pass or quarantine, in one pass over the records."""
     tags = (profile.think_start, profile.think_end)
-    ids = Counter(r["id"] for r in records)
-    mismatch = miscount = unclosed = 0
-    if decode is not None and spec is not None:
-        for record in records:
-            token_ids = record.get("completion_token_ids")
-            if token_ids is None:
-                continue
-            ends = token_ids.count(spec.end_id)
-            mismatch += decode(token_ids) != expected_completion_text(record, spec, closed=ends > 0)
-            miscount += ends > 1
-            unclosed += ends == 0 and record["finish_reason"] != "length"
+    ids: Counter[str] = Counter()
+    counts: Counter[str] = Counter()
+    for record in records:
+        ids[record["id"]] += 1
+        content = record["content"] or ""
+        counts["empty_reasoning"] += not record["reasoning"].strip()
+        counts["empty_content"] += not content.strip()
+        counts["truncated"] += record["finish_reason"] == "length"
+        counts["leaked_tags"] += any(t in record["reasoning"] or t in content for t in tags)
+        counts["reasoning_split_inline"] += record.get("reasoning_source") == "inline"
+        token_ids = record.get("completion_token_ids")
+        if decode is None or spec is None or token_ids is None:
+            continue
+        ends = token_ids.count(spec.end_id)
+        counts["token_text_mismatch"] += decode(token_ids) != expected_completion_text(record, spec, closed=ends > 0)
+        counts["think_end_miscount"] += ends > 1
+        counts["unclosed_reasoning"] += ends == 0 and record["finish_reason"] != "length"
+    checks = ("empty_reasoning", "empty_content", "truncated", "leaked_tags", "token_text_mismatch",
+              "think_end_miscount", "unclosed_reasoning", "reasoning_split_inline")
     result = ShardValidation(
         index=index,
-        records=len(records),
-        empty_reasoning=sum(not r["reasoning"].strip() for r in records),
-        empty_content=sum(not (r["content"] or "").strip() for r in records),
-        truncated=sum(r["finish_reason"] == "length" for r in records),
-        leaked_tags=sum(any(t in r["reasoning"] or t in (r["content"] or "") for t in tags) for r in records),
+        records=ids.total(),
         duplicate_ids=sum(n - 1 for n in ids.values()),
-        token_text_mismatch=mismatch,
-        think_end_miscount=miscount,
-        unclosed_reasoning=unclosed,
-        reasoning_split_inline=sum(r.get("reasoning_source") == "inline" for r in records),
         status="pass",
+        **{check: counts[check] for check in checks},
     )
     reasons = []
     for name, limit in (

@@ -205,7 +205,7 @@ def finalize_shard(store: RunStore, state: ShardState) -> ShardRef:
 
 
 def finished_shard(
-    store: RunStore, index: int, prompts: list[dict[str, Any]]
+    store: RunStore, index: int, prompts: Iterable[dict[str, Any]]
 ) -> tuple[ShardRef, dict[int, dict[str, Any]]] | None:
     """A finished shard's ref, and its records and rejections keyed by their prompt's current position.
 
@@ -247,7 +247,7 @@ def unfinished_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: 
     for ref in prompt_shards:
         if marked_finished(store, ref) is not None:
             continue
-        prompts = store.read_shard_records(ref)
+        prompts = list(store.read_shard_records(ref))
         done = finished_shard(store, ref.index, prompts)
         if done is None or len(done[1]) < len(prompts):
             unfinished.append(ref.index)

@@ -11,7 +11,7 @@ from eagle3_datagen.config import SequencesConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import ThinkTokenError, discover_think_tokens, load_tokenizer
-from tasks.sequences import build_sequences, to_parquet
+from tasks.sequences import build_sequences, to_parquet, to_table, whole_prompts
 
 KIMI_DIR = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "kimi-k2.5"
 KIMI = BUILTIN_PROFILES["kimi-k2.5"]
@@ -176,7 +176,7 @@ def test_parquet_loads_with_datasets(kimi, spec, tmp_path) -> None:  # type: ign
 
     sequences, _ = _build(kimi, spec, [_record("q", "r", "c"), {**_record("q2", "r2", "c2"), "id": "s2"}])
     store = RunStore(str(tmp_path), "run")
-    store.write_bytes("sequences/shard-00000.parquet", to_parquet(sequences))
+    store.write_bytes("sequences/shard-00000.parquet", to_parquet([to_table(sequences[:1]), to_table(sequences[1:])]))
     loaded = datasets.load_dataset("parquet", data_files=str(tmp_path / "run/sequences/*.parquet"), split="train")
     assert loaded["id"] == ["s1", "s2"]
     assert loaded[0]["input_ids"] == sequences[0].input_ids and loaded[0]["num_tokens"] == len(sequences[0].input_ids)
@@ -256,3 +256,13 @@ def test_the_cross_check_is_a_stable_sample_of_prompts_and_never_skips_a_sample_
 
     [without_ids], _ = _build(kimi, spec, [_record("hello", "hmm", "hi")], cross_check_rate=0.0)
     assert without_ids.source == "text" and without_ids.input_ids == built.input_ids
+
+
+def test_a_shard_is_built_in_chunks_that_never_split_a_prompts_samples() -> None:
+    records = [{"id": f"p{p}:{k}"} for p in range(5) for k in range(3)] + [{"id": "q"}, {"id": "r"}]
+    chunks = list(whole_prompts(iter(records), 4))
+    assert [r for chunk in chunks for r in chunk] == records
+    assert [[r["id"] for r in chunk] for chunk in chunks][:2] == [["p0:0", "p0:1", "p0:2", "p1:0", "p1:1", "p1:2"],
+                                                                   ["p2:0", "p2:1", "p2:2", "p3:0", "p3:1", "p3:2"]]
+    assert all({r["id"].split(":")[0] for r in chunk}.isdisjoint({r["id"].split(":")[0] for r in other})
+               for i, chunk in enumerate(chunks) for other in chunks[i + 1:])
