@@ -117,8 +117,26 @@ def replay(entries: Iterable[dict[str, Any]], done: dict[int, dict[str, Any]]) -
         if "discard" in entry:
             done.pop(entry["position"], None)
         else:
-            done[entry["position"]] = entry
+            done[entry["position"]] = kept_form(entry)
     return done
+
+
+def kept_form(entry: dict[str, Any]) -> dict[str, Any]:
+    """An entry as a shard in flight keeps it: its records as their JSON lines, the shard file's own bytes.
+
+    Why: a record's token ids as Python ints take about six times their text; a shard of long reasoning kept
+    parsed until it is written cost hundreds of MiB per shard in flight.
+    """
+    if "records" not in entry:
+        return entry
+    return {"position": entry["position"], "lines": [json.dumps(r, ensure_ascii=False) for r in entry["records"]]}
+
+
+def log_line(entry: dict[str, Any]) -> str:
+    """The partial-log line of an entry in its kept form (records serialized once, not twice)."""
+    if "lines" not in entry:
+        return json.dumps(entry, ensure_ascii=False)
+    return f'{{"position": {entry["position"]}, "records": [{", ".join(entry["lines"])}]}}'
 
 
 def read_partial_log(path: Path) -> dict[int, dict[str, Any]]:
@@ -154,20 +172,22 @@ class ShardState:
     log_path: Path
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
     log: IO[str] | None = None
-    spill: Callable[[str, list[dict[str, Any]]], None] | None = None
+    spill: Callable[[str, list[str]], None] | None = None
     segments: int = 0
-    pending: list[dict[str, Any]] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
     spilled_at: float = field(default_factory=time.monotonic)
 
     def append(self, entry: dict[str, Any]) -> None:
         if self.log is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log = self.log_path.open("a", encoding="utf-8")
-        self.log.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        entry = kept_form(entry)
+        line = log_line(entry)
+        self.log.write(line + "\n")
         self.log.flush()
         replay([entry], self.entries)
         if self.spill is not None:
-            self.pending.append(entry)
+            self.pending.append(line)
             if len(self.pending) >= SEGMENT_RECORDS or time.monotonic() - self.spilled_at >= SEGMENT_EVERY_S:
                 self.spill_segment()
 
@@ -192,11 +212,12 @@ class ShardState:
 def finalize_shard(store: RunStore, state: ShardState) -> ShardRef:
     """Write the finished shard atomically (records in prompt order), its rejections, then drop the log."""
     ordered = [state.entries[p] for p in sorted(state.entries)]
-    records = [record for e in ordered for record in e.get("records", [])]
+    lines = [line for e in ordered for line in e.get("lines", [])]
     rejected = [e["rejected"] for e in ordered if "rejected" in e]
     if rejected:
         store.write_jsonl(rejected_path("generations", state.ref.index), rejected)
-    ref = store.write_shard("generations", state.ref.index, records, prompts_sha256=state.ref.sha256)
+    data = "".join(line + "\n" for line in lines).encode()
+    ref = store.write_shard_bytes("generations", state.ref.index, data, len(lines), prompts_sha256=state.ref.sha256)
     state.pending = []  # the shard is written: nothing of it needs keeping any more
     state.close()
     state.log_path.unlink(missing_ok=True)
@@ -219,10 +240,9 @@ def finished_shard(
     position = {prompt["id"]: i for i, prompt in enumerate(prompts)}
     entries: dict[int, dict[str, Any]] = {}
     for line in data.decode("utf-8").splitlines():
-        record = json.loads(line)
-        at = position.get(prompt_id_of(record["id"]))
+        at = position.get(prompt_id_of(json.loads(line)["id"]))
         if at is not None:
-            entries.setdefault(at, {"position": at, "records": []})["records"].append(record)
+            entries.setdefault(at, {"position": at, "lines": []})["lines"].append(line)
     rejected = rejected_path("generations", index)
     for row in store.read_jsonl(rejected) if store.exists(rejected) else []:
         at = position.get(row["id"])

@@ -264,13 +264,14 @@ class GenerationScheduler:
         elif prompt.shard in self.states and self.states[prompt.shard].complete:
             self._finalize(prompt.shard)
 
-    def _spill_segment(self, rel: str, entries: list[dict[str, Any]]) -> None:
+    def _spill_segment(self, rel: str, lines: list[str]) -> None:
         """Write a partial-log segment from the writer thread (in order, before its shard is finalized); once the
         requests are over (an aborted window's discards), here."""
+        text = "".join(line + "\n" for line in lines)
         if self._writing:
-            self._writer.submit(self.store.write_jsonl, rel, entries)
+            self._writer.submit(self.store.write_text, rel, text)
         else:
-            self.store.write_jsonl(rel, entries)
+            self.store.write_text(rel, text)
 
     def _finalize(self, index: int) -> None:
         """Write a finished shard from a thread: the event loop goes on sending while it is written."""
