@@ -13,7 +13,6 @@ from uuid import UUID
 from cli.logs import RunLog
 from eagle3_datagen.config import PipelineConfig
 from eagle3_datagen.errors import UserError
-from eagle3_datagen.execution import task_runner_for
 from eagle3_datagen.storage import RunStore
 
 
@@ -72,14 +71,13 @@ async def _stage_lines(flow_run_id: UUID) -> list[str]:
 def run_pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]:
     """Run the flow; returns the run summary plus one line per stage (task states and time)."""
     from cli.local_api import wait_for_local_api
-    from flows.pipeline import pipeline
+    from flows.pipeline import pipeline_for
 
     store = RunStore(config.output_uri, config.run_name)
     store.check_writable()
     wait_for_local_api()
     with RunLog(store) as log:
-        flow = pipeline.with_options(result_storage=result_storage_for(config),
-                                     task_runner=task_runner_for(config.execution))
+        flow = pipeline_for(config).with_options(result_storage=result_storage_for(config))
         state = flow(config, regenerate, return_state=True)
         flow_run_id = state.state_details.flow_run_id
         stages = asyncio.run(_stage_lines(flow_run_id)) if flow_run_id else []

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import Flow, flow, unmapped
 from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import allow_failure
 
 from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
-from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement
+from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement, task_runner_for
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.storage import RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
@@ -82,6 +82,11 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
 pipeline_on_ray = pipeline.with_options(name="eagle3-datagen-ray", task_runner=ClusterTaskRunner())
 
 
+def pipeline_for(config: PipelineConfig) -> Flow[[PipelineConfig, bool], dict[str, Any]]:
+    """The pipeline on the task runner a config asks for: a recorded Ray run is re-run on Ray."""
+    return pipeline.with_options(task_runner=task_runner_for(config.execution))
+
+
 @flow(name="eagle3-generation-only", flow_run_name=run_named("generation-only"), log_prints=True)
 def generation_only(config: PipelineConfig) -> dict[str, Any]:
     """Everything that needs the generation servers and not the target model: up to the token sequences.
@@ -90,7 +95,7 @@ def generation_only(config: PipelineConfig) -> dict[str, Any]:
         config: The run, as for the pipeline; its hidden-states section is ignored.
     """
     hidden_states = config.hidden_states.model_copy(update={"backend": "none"})
-    return pipeline(config.model_copy(update={"hidden_states": hidden_states}))
+    return pipeline_for(config)(config.model_copy(update={"hidden_states": hidden_states}))
 
 
 @flow(name="eagle3-rerun-failed", flow_run_name=run_named("rerun-failed"), log_prints=True)
@@ -104,7 +109,8 @@ def rerun_failed(run: str, redo_quarantined: bool = False) -> dict[str, Any]:
     run = settled_run(run)
     print(rerun_plan(verify_run(RunStore.at(run)), redo_quarantined))
     reopened = reopen_quarantined_shards(run) if redo_quarantined else []
-    return pipeline(recorded_config(run), regenerate=bool(reopened))
+    config = recorded_config(run)
+    return pipeline_for(config)(config, regenerate=bool(reopened))
 
 
 @flow(name="eagle3-extract-only", flow_run_name=run_named("extract-only"), log_prints=True)
@@ -116,7 +122,8 @@ def extract_only(run: str, hidden_states: HiddenStatesConfig) -> dict[str, Any]:
         hidden_states: The extraction settings to use instead of the recorded ones.
     """
     run = settled_run(run)
-    return pipeline(recorded_config(run).model_copy(update={"hidden_states": hidden_states}))
+    config = recorded_config(run)
+    return pipeline_for(config)(config.model_copy(update={"hidden_states": hidden_states}))
 
 
 @flow(name="eagle3-export", flow_run_name=run_named("export"), log_prints=True)

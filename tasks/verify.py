@@ -180,13 +180,13 @@ def _verify_shard(store: RunStore, index: int, recorded: dict[str, Any], hidden:
 def rerun_plan(result: Verification, redo_quarantined: bool) -> str:
     """What `rerun-failed` will redo, in one line, before it does it."""
     shards = [shard_name(i) for i in result.unfinished_shards]
-    todo = (f"finish {len(shards)} shards ({', '.join(shards[:8])}{'…' if len(shards) > 8 else ''}), "
+    todo = (f"will finish {len(shards)} shards ({', '.join(shards[:8])}{'…' if len(shards) > 8 else ''}), "
             f"{result.pending} prompts pending") if shards else "nothing unfinished"
     names = ", ".join(shard_name(i) for i in result.quarantined_shards)
     if not result.quarantined_shards:
         quarantine = "no quarantined shard"
     elif redo_quarantined:
-        quarantine = f"generate quarantined {names} again (their records are moved to quarantine/, not deleted)"
+        quarantine = f"will generate quarantined {names} again (their records are moved to quarantine/, not deleted)"
     else:
         quarantine = f"quarantined {names} stay as they are (add --redo-quarantined once the cause is fixed)"
-    return f"rerun-failed will {todo}; {quarantine}"
+    return f"rerun-failed: {todo}; {quarantine}"

@@ -24,6 +24,7 @@ from eagle3_datagen.execution import ClusterUnusable
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from eagle3_datagen.testing.vllm_server import free_port
 from eagle3_datagen.think_tokens import load_tokenizer
+from flows.pipeline import rerun_failed
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -100,6 +101,12 @@ def test_a_run_on_a_ray_cluster_writes_the_local_runners_bytes_and_loads_the_tar
     assert {w["pid"] for w in workers}.isdisjoint({os.getpid()}), "every shard extracted on a Ray worker"
     assert all(w["target_loads_in_process"] == 1 for w in workers), f"one target load per worker process: {workers}"
 
+    requests = len(server.log.bodies)
+    rerun_failed(str(tmp_path / "ray"))  # a recorded Ray run is re-run on Ray, not refused
+    assert json.loads((tmp_path / "ray" / "manifest.json").read_text())["status"] == "completed"
+    assert len(server.log.bodies) == requests
+    assert outputs(tmp_path / "ray") == got
+
 
 def test_a_cluster_that_cannot_run_the_job_is_refused_in_one_line_before_any_work(
         tiny_model: Path, server: ScriptedServer, ray_cluster: Any, tmp_path: Path) -> None:
@@ -112,6 +119,30 @@ def test_a_cluster_that_cannot_run_the_job_is_refused_in_one_line_before_any_wor
                             ray_address=ray_cluster.address, extraction_gpus=1))
     assert server.log.bodies == [], "refused before a single request"
     assert not (tmp_path / "no-gpu" / "generations").exists()
+
+
+def test_a_cluster_of_another_ray_version_is_refused_in_one_line_naming_the_fix(
+        tiny_model: Path, server: ScriptedServer, ray_cluster: Any, tmp_path: Path) -> None:
+    """The cluster's own metadata says another Ray version (what a driver of another version meets): Ray's
+    version check refuses the driver, and the run says which versions to install, in one line."""
+    from ray._common.usage.usage_constants import CLUSTER_METADATA_KEY
+    from ray._private.ray_constants import KV_NAMESPACE_CLUSTER
+    from ray._raylet import GcsClient
+
+    gcs = GcsClient(address=ray_cluster.gcs_address)
+    original = gcs.internal_kv_get(CLUSTER_METADATA_KEY, namespace=KV_NAMESPACE_CLUSTER)
+    older = {**json.loads(original), "ray_version": "2.9.3"}
+    gcs.internal_kv_put(CLUSTER_METADATA_KEY, json.dumps(older).encode(), True, namespace=KV_NAMESPACE_CLUSTER)
+    try:
+        with pytest.raises(ClusterUnusable) as refused:
+            run_pipeline(config(tiny_model, server.url, tmp_path, "old-ray", task_runner="ray",
+                                ray_address=ray_cluster.address))
+    finally:
+        gcs.internal_kv_put(CLUSTER_METADATA_KEY, original, True, namespace=KV_NAMESPACE_CLUSTER)
+    message = str(refused.value)
+    assert "\n" not in message and "runs another Ray or Python version" in message and "2.9.3" in message
+    assert "install the cluster's versions here" in message
+    assert server.log.bodies == [] and not (tmp_path / "old-ray" / "generations").exists()
 
 
 def test_a_worker_node_killed_mid_run_loses_and_duplicates_nothing(
