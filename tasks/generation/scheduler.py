@@ -105,6 +105,7 @@ class GenerationScheduler:
         self.queue: deque[Prompt] = deque()  # prompts to ask, filled a few shards ahead (`_refill`)
         self._unqueued: deque[ShardRef] = deque()  # unfinished shards whose prompts are not queued yet
         self._lookahead = 0
+        self._reading: asyncio.Future[list[Prompt]] | None = None  # the next shard's prompts, read in a thread
         self.counts = _Counts()
         self.total = 0
         self.longest_stall_s = 0.0
@@ -144,17 +145,24 @@ class GenerationScheduler:
         for index in [i for i, state in self.states.items() if state.complete]:
             self.finished[index] = finalize_shard(self.store, self.states.pop(index))
 
-    def _refill(self) -> None:
+    async def _refill(self) -> None:
         """Queue the next shards' unanswered prompts while fewer than a budget's worth wait: memory holds a few
-        shards' prompts, whatever the run's size."""
-        seed_base = self.settings.generation.seed
-        while len(self.queue) < self._lookahead and self._unqueued:
-            ref = self._unqueued.popleft()
-            done = self.states[ref.index].entries
-            for position, prompt in enumerate(self.store.read_shard_records(ref)):
-                if position not in done:
-                    seed = None if seed_base is None else seed_base + prompt["row"]
-                    self.queue.append(Prompt(ref.index, position, prompt["id"], prompt["messages"], seed))
+        shards' prompts, whatever the run's size. A shard is read in a thread while the queue still feeds the
+        requests (a read from object storage takes tens of ms); the dispatcher waits for it only on an empty queue.
+        """
+        while True:
+            if self._reading is None and len(self.queue) < self._lookahead and self._unqueued:
+                self._reading = asyncio.ensure_future(asyncio.to_thread(self._unanswered, self._unqueued.popleft()))
+            if self._reading is None or (self.queue and not self._reading.done()):
+                return
+            self.queue.extend(await self._reading)
+            self._reading = None
+
+    def _unanswered(self, ref: ShardRef) -> list[Prompt]:
+        seed_base, done = self.settings.generation.seed, self.states[ref.index].entries
+        return [Prompt(ref.index, position, prompt["id"], prompt["messages"],
+                       None if seed_base is None else seed_base + prompt["row"])
+                for position, prompt in enumerate(self.store.read_shard_records(ref)) if position not in done]
 
     async def run(self, prompt_shards: list[ShardRef]) -> list[ShardRef]:
         self.plan(prompt_shards)
@@ -180,7 +188,7 @@ class GenerationScheduler:
         try:
             await self._dispatch()
         finally:
-            for pending in [*self._requests, *helpers]:
+            for pending in [*self._requests, *helpers, *([self._reading] if self._reading else [])]:
                 pending.cancel()
             await asyncio.gather(*self._requests, *helpers, return_exceptions=True)
             self.pool.close()
@@ -203,7 +211,7 @@ class GenerationScheduler:
     async def _dispatch(self) -> None:
         """Take an admission and a slot, then the next prompt, and start its request; then wait for the last."""
         while True:
-            self._refill()
+            await self._refill()
             if not self.queue:
                 break
             admission = await self.probation.admit()

@@ -378,8 +378,8 @@ def test_prompts_are_queued_a_few_shards_ahead_never_the_whole_run(
     longest: list[int] = []
     refill = GenerationScheduler._refill
 
-    def watched(self: GenerationScheduler) -> None:
-        refill(self)
+    async def watched(self: GenerationScheduler) -> None:
+        await refill(self)
         longest.append(len(self.queue))
 
     monkeypatch.setattr(GenerationScheduler, "_refill", watched)
