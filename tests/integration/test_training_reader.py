@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from hidden_state_targets import HIDDEN, LAYERS, random_rows, write_sequences
+from test_storage import s3_endpoint  # noqa: F401  (the S3 server the s3 case needs)
 from torch.utils.data import DataLoader
 
 from eagle3_datagen.artifacts import MANIFEST
@@ -99,13 +100,23 @@ def test_dataloader_workers_and_ranks_share_out_every_sample_exactly_once(tmp_pa
     assert sorted(seen) == all_keys(), "no sample twice, none missing"
 
 
-def test_follow_picks_up_shards_as_they_finish_and_ends_with_the_run(tmp_path: Path) -> None:
-    store = RunStore(str(tmp_path), "run")
+@pytest.fixture(params=["local", "s3"])
+def output_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "local":
+        return str(tmp_path)
+    request.getfixturevalue("s3_endpoint")
+    return f"s3://eagle3-test/{tmp_path.name}"
+
+
+def test_follow_picks_up_shards_as_they_finish_and_ends_with_the_run(output_uri: str) -> None:
+    """The workers read while this process writes: on S3 each has its own client, whose listing cache must not
+    hide the shards written since it last looked."""
+    store = RunStore(output_uri, "run")
     write_manifest(store, "running")
     write_hidden_shard(store, 0, SHARDS[0])
     reader = TrainingReader(store.uri, "speculators", follow=True, poll_interval_s=0.05)
     # in_order=False: a worker waiting for shards must not hold back samples another worker has
-    loader = iter(DataLoader(reader, batch_size=None, num_workers=2, in_order=False))  # the workers start here
+    loader = iter(DataLoader(reader, batch_size=None, num_workers=2, in_order=False, timeout=60))
     got = [key(next(loader)) for _ in SHARDS[0]]
     assert sorted(got) == all_keys({0: SHARDS[0]})
 
