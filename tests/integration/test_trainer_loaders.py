@@ -207,7 +207,8 @@ class _SpecForgeEagle3:
 
     Its fused loss is a Triton kernel (GPU only) in a module that imports triton first thing; that module is
     imported with a stand-in triton and an identity torch.compile (nothing of either runs), then its reference
-    `_compute_loss` replaces the fused `LogSoftmaxLoss` in the model.
+    `_compute_loss` replaces the fused `LogSoftmaxLoss` in the model. The step runs with dynamo off: the same
+    functions, eagerly.
     """
 
     def __init__(self) -> None:
@@ -242,7 +243,9 @@ class _SpecForgeEagle3:
         head.freeze_weights()
         strategy = Eagle3TrainStrategy(self.model.OnlineEagle3Model(draft, length=2, attention_backend="sdpa"),
                                        target_head=head.eval().to(torch.bfloat16))
-        with mock.patch.object(self.model, "LogSoftmaxLoss", mock.Mock(apply=self.reference_loss)):
+        # eager: its torch.compile'd norms and rotary embedding would build C++ kernels (and headers in /tmp)
+        with mock.patch.object(self.model, "LogSoftmaxLoss", mock.Mock(apply=self.reference_loss)), \
+                mock.patch.object(torch._dynamo.config, "disable", True):
             output = strategy.forward_loss(TrainBatch(sample_ids=[], strategy="eagle3", tensors=batch,
                                                       metadata={"target_repr": "hidden_state"}))
         output.loss.backward()
