@@ -111,17 +111,19 @@ class _Part:
     number: int
     entry: dict[str, Any]
     ids: list[str]
+    final_norm: str  # its sha256: every shard of a run has the same norm, loaded once
 
 
 class TrainingReader(IterableDataset):
     """A run's hidden states as training samples for `trainer`, shuffled across parts, local or `s3://`.
 
-    Parts are the unit of work. Each epoch they are shuffled with `seed` and `epoch` (call `set_epoch`, as with a
-    DistributedSampler; the DataLoader's default `persistent_workers=False` carries it to the workers), then
-    split without overlap over distributed ranks and DataLoader workers (part `p` of shard `s` goes to slot
-    `(s + p) % slots`, which depends on nothing that changes while a run is followed); each part's samples are
-    shuffled too. The order is a function of seed, epoch, rank and worker over a finished run; while following,
-    it also depends on when shards finish. Ranks get whole parts, so their sample counts differ by up to a part.
+    Parts are the unit of work, split without overlap over distributed ranks and DataLoader workers: part `p` of
+    shard `s` goes to slot `(s + p + r) % slots`, `r` drawn from `seed` and `epoch`, so the split depends on
+    nothing that changes while a run is followed and moves every epoch. Each slot reads its parts in an order
+    shuffled by `seed` and `epoch`, and each part's samples shuffled too (call `set_epoch` before each epoch, as
+    with a DistributedSampler; the DataLoader's default `persistent_workers=False` carries it to the workers).
+    Over a finished run the order is a function of seed, epoch, rank and worker; while following, it also depends
+    on when shards finish. Ranks get whole parts, so their sample counts differ by up to a part.
 
     Whole parts, never ranged reads: every part is read once, whole, through `read_part`, which checks its
     sha256 against the shard's index. A reader that shuffles across parts consumes every row of a part anyway;
@@ -133,7 +135,8 @@ class TrainingReader(IterableDataset):
     last), polling every `poll_interval_s`, until the manifest says the run ended. A run that ended failed or
     cancelled raises `RunEndedShort` as soon as the reader sees it, naming the cause, so a trainer never takes a
     partial set for the whole one; `allow_partial=True` reads its finished shards (or, without `follow`, those a
-    running run has finished) with a `PartialRunWarning` instead.
+    running run has finished) with a `PartialRunWarning` instead. Give the DataLoader `in_order=False` when
+    following with workers: a worker waiting for shards would otherwise hold back the samples of the others.
     """
 
     def __init__(
@@ -170,17 +173,18 @@ class TrainingReader(IterableDataset):
         worker = get_worker_info()
         workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
         slot, slots = self.rank * workers + worker_id, self.world_size * workers
+        rotation = random.Random(f"{self.seed}/{self.epoch}").randrange(slots)
         order = random.Random(f"{self.seed}/{self.epoch}/{slot}")
         seen: set[int] = set()
         first: dict[str, Any] = {}
-        norms: dict[int, tuple[torch.Tensor, float]] = {}
+        norms: dict[str, tuple[torch.Tensor, float]] = {}
         while True:
             ended = self._check_status(store)  # before listing: shards listed after an end are all there are
             new_parts: list[_Part] = []
             for shard in finished_shards(store, seen):
                 seen.add(shard)
-                new_parts += [part for part in _shard_parts(store, shard, first) if
-                              (part.shard + part.number) % slots == slot]
+                new_parts += [part for part in _shard_parts(store, shard, first)
+                              if (part.shard + part.number + rotation) % slots == slot]
             order.shuffle(new_parts)
             for part in new_parts:
                 yield from self._samples(store, part, order, norms)
@@ -190,9 +194,10 @@ class TrainingReader(IterableDataset):
 
     def _check_status(self, store: RunStore) -> bool:
         """Whether the run has ended; raises for a run this reader must not (yet) train on, as asked."""
-        if not store.exists(MANIFEST):
-            raise RunNotReadable(f"{self.run} has no {MANIFEST}: give the folder of a run (e.g. runs/demo)")
-        manifest = store.read_json(MANIFEST)
+        try:
+            manifest = store.read_json(MANIFEST)
+        except FileNotFoundError:
+            raise RunNotReadable(f"{self.run} has no {MANIFEST}: give the folder of a run (e.g. runs/demo)") from None
         if manifest["config"]["hidden_states"]["backend"] == "none":
             raise RunNotReadable(f"{self.run} was run without hidden states (hidden_states.backend: none): run the "
                                  "extract-only flow on it first")
@@ -218,15 +223,15 @@ class TrainingReader(IterableDataset):
         return False
 
     def _samples(self, store: RunStore, part: _Part, order: random.Random,
-                 norms: dict[int, tuple[torch.Tensor, float]]) -> Iterator[dict[str, torch.Tensor]]:
+                 norms: dict[str, tuple[torch.Tensor, float]]) -> Iterator[dict[str, torch.Tensor]]:
         tensors = read_part(store, part.index_rel, part.entry)
         offsets = tensors["offsets"].tolist()
         if len(offsets) != len(part.ids) + 1 or offsets[0] != 0 or offsets[-1] != part.entry["num_tokens"]:
             rel = posixpath.join(posixpath.dirname(part.index_rel), part.entry["file"])
             raise HiddenStatesError(f"{rel}: offsets do not match the {len(part.ids)} samples listed in "
                                     f"{part.index_rel}: re-run hidden_states")
-        if self.trainer == "specforge" and part.shard not in norms:
-            norms[part.shard] = read_final_norm(store, part.index_rel)
+        if self.trainer == "specforge" and part.final_norm not in norms:
+            norms[part.final_norm] = read_final_norm(store, part.index_rel)
         rows = list(range(len(part.ids)))
         order.shuffle(rows)
         for row in rows:
@@ -236,7 +241,7 @@ class TrainingReader(IterableDataset):
             else:
                 end = min(end, start + self.max_len)
                 cut = Sample(part.ids[row], *(tensors[name][start:end] for name in PART_TENSORS))
-                yield specforge_sample(cut, *norms[part.shard])
+                yield specforge_sample(cut, *norms[part.final_norm])
 
 
 def finished_shards(store: RunStore, known: set[int]) -> list[int]:
@@ -266,4 +271,6 @@ def _shard_parts(store: RunStore, shard: int, first: dict[str, Any]) -> list[_Pa
     ids: dict[int, list[str]] = {}
     for sample_id, (number, _row) in sorted(index["samples"].items(), key=lambda item: item[1]):
         ids.setdefault(number, []).append(sample_id)
-    return [_Part(index_rel, shard, number, entry, ids.get(number, [])) for number, entry in enumerate(index["parts"])]
+    final_norm = (index.get("final_norm") or {}).get("sha256", index_rel)  # read_final_norm says what is missing
+    return [_Part(index_rel, shard, number, entry, ids.get(number, []), final_norm)
+            for number, entry in enumerate(index["parts"])]

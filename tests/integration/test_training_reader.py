@@ -99,6 +99,13 @@ def test_dataloader_workers_and_ranks_share_out_every_sample_exactly_once(tmp_pa
         seen += mine
     assert sorted(seen) == all_keys(), "no sample twice, none missing"
 
+    def rank_zero(epoch: int) -> list[Key]:
+        reader = TrainingReader(run, "speculators", seed=5, rank=0, world_size=2)
+        reader.set_epoch(epoch)
+        return sorted(key(sample) for sample in reader)
+
+    assert len({tuple(rank_zero(epoch)) for epoch in range(4)}) > 1, "the split moves between epochs"
+
 
 @pytest.fixture(params=["local", "s3"])
 def output_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
