@@ -1,6 +1,7 @@
 """The exports read by the trainers' own, unmodified code: SpecForge's offline EAGLE-3 dataset, speculators'
-ArrowDataset, draft-vocabulary mapping and one EAGLE-3 training step of its draft (installed without their
-GPU-only dependencies by `make setup`; their fused GPU losses swapped for their eager ones)."""
+ArrowDataset, draft-vocabulary mapping and one EAGLE-3 training step of each trainer's draft; and TrainingReader's
+samples of the same run equal to what their loaders make of the export, batch and loss included (installed without
+their GPU-only dependencies by `make setup`; their fused GPU losses swapped for their eager ones)."""
 
 from __future__ import annotations
 
