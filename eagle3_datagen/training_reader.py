@@ -224,6 +224,7 @@ class TrainingReader(IterableDataset):
 
     def _samples(self, store: RunStore, part: _Part, order: random.Random,
                  norms: dict[str, tuple[torch.Tensor, float]]) -> Iterator[dict[str, torch.Tensor]]:
+        """A part's samples in shuffled order, the part checked whole first (`norms`: final norms loaded so far)."""
         tensors = read_part(store, part.index_rel, part.entry)
         offsets = tensors["offsets"].tolist()
         if len(offsets) != len(part.ids) + 1 or offsets[0] != 0 or offsets[-1] != part.entry["num_tokens"]:
