@@ -186,8 +186,12 @@ class RunStore:
             yield handle
 
     def list(self, rel_dir: str, suffix: str = "") -> list[str]:
-        """Relative paths of the files directly in `rel_dir` ending with `suffix`, sorted."""
+        """Relative paths of the files directly in `rel_dir` ending with `suffix`, sorted.
+
+        Listed afresh: another process may have written here since (s3fs would answer from its listing cache).
+        """
         folder = self.path(rel_dir)
+        self.fs.invalidate_cache(folder)
         if not self.fs.exists(folder):
             return []
         names = sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(folder, detail=False))

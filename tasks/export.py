@@ -25,7 +25,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -36,13 +36,12 @@ from safetensors.torch import save as save_safetensors
 
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, sha256_hex, shard_name
 from eagle3_datagen.errors import UserError, retry_unless_user_error
-from eagle3_datagen.hidden_state_format import FORMAT, final_rms_norm, read_final_norm, read_hidden_state_shard
+from eagle3_datagen.hidden_state_format import FORMAT, read_final_norm, read_hidden_state_shard
 from eagle3_datagen.storage import RunStore
+from eagle3_datagen.training_reader import FINAL_STATE_FOR, Trainer, specforge_features
 
-ExportFormat = Literal["specforge", "speculators"]
+ExportFormat = Trainer
 EXPORT_INDEX = "export.json"
-_FINAL_STATE = {"specforge": "after_norm", "speculators": "before_norm"}
-SPECFORGE_DTYPE = torch.bfloat16  # its TargetHead is cast to bf16 and its inputs are not: float32 fails to train
 TOKEN_FREQ = "token_freq.pt"
 
 
@@ -141,19 +140,12 @@ def export_shard(plan: ExportPlan, shard: ShardExport) -> dict[str, Any]:
     ids: list[str] = []
     rows: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
     for i, sample in enumerate(read_hidden_state_shard(run, index_rel), start=shard.first):
-        input_ids, loss_mask = sample.input_ids.to(torch.int64), sample.loss_mask.to(torch.int64)
         if plan.format == "specforge":
-            record = {
-                "input_ids": input_ids,
-                "loss_mask": loss_mask,
-                # a copy: a slice of the part would make torch.save write the whole part's storage
-                "aux_hidden_state": sample.aux_hidden_states.to(SPECFORGE_DTYPE, copy=True)[None],
-                "hidden_state": final_rms_norm(sample.final_hidden_states, weight, eps).to(SPECFORGE_DTYPE)[None],
-            }
             buffer = io.BytesIO()
-            torch.save(record, buffer)
+            torch.save(specforge_features(sample, weight, eps), buffer)
             data = buffer.getvalue()
         else:
+            input_ids, loss_mask = sample.input_ids.to(torch.int64), sample.loss_mask.to(torch.int64)
             tokens = len(input_ids)
             states = torch.cat(
                 [sample.aux_hidden_states.view(tokens, 3, -1), sample.final_hidden_states[:, None]], dim=1
@@ -214,7 +206,7 @@ def finish_export(plan: ExportPlan) -> dict[str, Any]:
         "format": plan.format,
         "run": plan.run_uri,
         "num_samples": len(ids),
-        "final_state": _FINAL_STATE[plan.format],
+        "final_state": FINAL_STATE_FOR[plan.format],
         **{key: value for key, value in plan.source.items() if key != "final_state"},
         "dtype": "bfloat16" if plan.format == "specforge" else plan.source["dtype"],
         "source_dtype": plan.source["dtype"],

@@ -48,6 +48,7 @@ def make_run(output_uri: str, target: TargetModel, shards: dict[int, list[int]] 
         {
             "config": {"hidden_states": {"backend": "transformers"}},
             "shards": {f"shard-{i:05d}": {} for i in shards},
+            "status": "completed",
         },
     )
     for shard, lengths in shards.items():
