@@ -43,24 +43,36 @@ class ShardValidation:
     reasoning_split_inline: int
     status: str
     reasons: list[str] = field(default_factory=list)
+    unexpected_reasoning: int = 0  # records of a mode answered without reasoning (instant) that carry some
+    records_by_mode: dict[str, int] = field(default_factory=dict)
+    thinking_records: int | None = None  # records of modes that think; None: all of them
 
-    def rate(self, count: int) -> float:
-        return count / self.records if self.records else 0.0
+    def rate(self, count: int, of: int | None = None) -> float:
+        of = self.records if of is None else of
+        return count / of if of else 0.0
+
+    def rate_of(self, name: str) -> float:
+        """A check's rate over the records it applies to: reasoning checks over their own modes' records."""
+        thinking = self.records if self.thinking_records is None else self.thinking_records
+        of = {"empty_reasoning": thinking, "unexpected_reasoning": self.records - thinking}.get(name, self.records)
+        return self.rate(getattr(self, name), of)
 
     def as_dict(self) -> dict[str, Any]:
         counts = asdict(self)
         names = ("empty_reasoning", "empty_content", "truncated", "leaked_tags", "duplicate_ids",
-                 "token_text_mismatch", "think_end_miscount")
-        counts["rates"] = {name: round(self.rate(counts[name]), 6) for name in names}
+                 "token_text_mismatch", "think_end_miscount", "unexpected_reasoning")
+        counts["rates"] = {name: round(self.rate_of(name), 6) for name in names}
         return counts
 
 
-def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec, closed: bool = True) -> str:
+def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec, closed: bool = True,
+                             thinks: bool = True) -> str:
     """The completion text the server's token ids should decode to, rebuilt from reasoning and content.
 
     `closed`: the ids hold a think-end id (a model that never closed its reasoning has none to decode).
+    `thinks`: the record's mode thinks; in one that does not (instant) the template closed the think block.
     """
-    text = ("" if spec.template_writes_start_tag else spec.think_start) + record["reasoning"]
+    text = ("" if spec.template_writes_start_tag or not thinks else spec.think_start) + record["reasoning"]
     if record["finish_reason"] == "length" and not record["content"]:
         return text
     text += (spec.think_end if closed else "") + (record["content"] or "")
@@ -75,23 +87,29 @@ def validate_records(
     decode: Any | None = None,
     spec: ThinkTokenSpec | None = None,
 ) -> ShardValidation:
-    """Count what can silently ruin training data and decide pass or quarantine."""
+    """Count what can silently ruin training data and decide pass or quarantine.
+
+    Each record is held to its own mode: one that thinks must carry reasoning and close it once; one answered
+    without reasoning (instant) must carry none and no think-end id.
+    """
     tags = (profile.think_start, profile.think_end)
     ids = Counter(r["id"] for r in records)
+    modes = [profile.mode_of(r) for r in records]
+    thinks = [profile.mode(mode).thinks for mode in modes]
     mismatch = miscount = unclosed = 0
     if decode is not None and spec is not None:
-        for record in records:
+        for record, thinking in zip(records, thinks, strict=True):
             token_ids = record.get("completion_token_ids")
             if token_ids is None:
                 continue
             ends = token_ids.count(spec.end_id)
-            mismatch += decode(token_ids) != expected_completion_text(record, spec, closed=ends > 0)
-            miscount += ends > 1
-            unclosed += ends == 0 and record["finish_reason"] != "length"
+            mismatch += decode(token_ids) != expected_completion_text(record, spec, ends > 0, thinking)
+            miscount += ends > (1 if thinking else 0)
+            unclosed += thinking and ends == 0 and record["finish_reason"] != "length"
     result = ShardValidation(
         index=index,
         records=len(records),
-        empty_reasoning=sum(not r["reasoning"].strip() for r in records),
+        empty_reasoning=sum(t and not r["reasoning"].strip() for r, t in zip(records, thinks, strict=True)),
         empty_content=sum(not (r["content"] or "").strip() for r in records),
         truncated=sum(r["finish_reason"] == "length" for r in records),
         leaked_tags=sum(any(t in r["reasoning"] or t in (r["content"] or "") for t in tags) for r in records),
@@ -101,17 +119,21 @@ def validate_records(
         unclosed_reasoning=unclosed,
         reasoning_split_inline=sum(r.get("reasoning_source") == "inline" for r in records),
         status="pass",
+        unexpected_reasoning=sum(not t and bool(r["reasoning"].strip()) for r, t in zip(records, thinks, strict=True)),
+        records_by_mode=dict(Counter(modes)),
+        thinking_records=sum(thinks),
     )
     reasons = []
     for name, limit in (
         ("empty_reasoning", thresholds.max_empty_reasoning_rate),
+        ("unexpected_reasoning", thresholds.max_unexpected_reasoning_rate),
         ("empty_content", thresholds.max_empty_content_rate),
         ("truncated", thresholds.max_truncated_rate),
         ("leaked_tags", thresholds.max_leaked_tags_rate),
         ("token_text_mismatch", thresholds.max_token_text_mismatch_rate),
         ("think_end_miscount", thresholds.max_token_text_mismatch_rate),
     ):
-        rate = result.rate(getattr(result, name))
+        rate = result.rate_of(name)
         if rate > limit:
             setting = "max_token_text_mismatch_rate" if name == "think_end_miscount" else f"max_{name}_rate"
             reasons.append(f"{name} rate {rate:.1%} > validation.{setting} {limit:.1%}")
@@ -123,10 +145,11 @@ def validate_records(
 
 
 def _markdown(run_name: str, report: ShardValidation) -> str:
-    rows = "\n".join(f"| {k} | {v} | {report.rate(v):.1%} |" for k, v in asdict(report).items()
-                     if isinstance(v, int) and k not in ("index", "records"))
+    rows = "\n".join(f"| {k} | {v} | {report.rate_of(k):.1%} |" for k, v in asdict(report).items()
+                     if isinstance(v, int) and k not in ("index", "records", "thinking_records"))
+    by_mode = ", ".join(f"{mode} {count}" for mode, count in report.records_by_mode.items())
     verdict = report.status + ("" if not report.reasons else ": " + "; ".join(report.reasons))
-    return (f"### {run_name} shard {report.index:05d}: {verdict}\n\n{report.records} records\n\n"
+    return (f"### {run_name} shard {report.index:05d}: {verdict}\n\n{report.records} records ({by_mode})\n\n"
             f"| check | count | rate |\n|---|---|---|\n{rows}\n")
 
 
