@@ -173,7 +173,7 @@ def test_validation_holds_each_record_to_its_own_mode() -> None:
     assert (report.unclosed_reasoning, report.token_text_mismatch, report.empty_reasoning) == (0, 0, 0)
     assert report.records_by_mode == {"thinking": 20, "instant": 10}
 
-    unswitched = instant[:9] + [_record(200, "instant", "thinking", [7, 2, 8, 3])]
+    unswitched = [*instant[:9], _record(200, "instant", "thinking", [7, 2, 8, 3])]
     report = validate_records(0, thinking + unswitched, KIMI, ValidationConfig(), decode, SPEC)
     assert (report.unexpected_reasoning, report.think_end_miscount, report.status) == (1, 1, "quarantine")
     assert "unexpected_reasoning rate 10.0% > validation.max_unexpected_reasoning_rate 5.0%" in report.reasons
@@ -206,7 +206,8 @@ def test_qwen3_sequences_are_exact_in_each_mode(qwen: Any) -> None:
     shard = build_sequences(records, qwen, QWEN3, spec, SequencesConfig(cross_check_rate=1.0))
     assert shard.rejected == []
     thinking, instant = shard.sequences
-    assert (thinking.agrees, instant.agrees) == (True, True) and (thinking.mode, instant.mode) == ("thinking", "instant")
+    assert (thinking.agrees, instant.agrees) == (True, True)
+    assert (thinking.mode, instant.mode) == ("thinking", "instant")
     assert qwen.decode(instant.input_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\nParis.<|im_end|>")
     assert spec.start_id not in instant.input_ids[-3:] and instant.input_ids.count(spec.end_id) == 1
     supervised = [t for t, m in zip(instant.input_ids, instant.loss_mask, strict=True) if m]
