@@ -509,6 +509,8 @@ def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards
                   store: RunStore, generation_error: str | None = None) -> str | None:
     """Why the run produced less than it should, as one line naming the shards; None when it is complete."""
     short = [name for name, s in shards.items() if s.get(last_stage, {}).get("status") != "done"]
+    if generation_error and not short:  # refused before asking (other settings): the shards are from before
+        return generation_error
     if short:
         more = f" and {len(short) - 10} more" if len(short) > 10 else ""
         which = f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}"
