@@ -75,10 +75,9 @@ def check_form(endpoint: str, served: list[str], done: Completion, profile: Mode
 
 
 def _switch(profile: ModelProfile, mode: str) -> dict[str, object]:
+    """Everything a request sends to switch a mode on, for a message that names it."""
     spec = profile.mode(mode)
-    return {**spec.chat_template_kwargs, **({"reasoning_effort": spec.reasoning_effort} if spec.reasoning_effort
-                                            else {}), **({"system_prompt": spec.system_prompt} if spec.system_prompt
-                                                         else {})}
+    return {**spec.template_variables(), **({"system_prompt": spec.system_prompt} if spec.system_prompt else {})}
 
 
 def why_empty(profile: ModelProfile) -> str:

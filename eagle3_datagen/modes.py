@@ -41,6 +41,11 @@ class ModeSpec(BaseModel):
     def thinks(self) -> bool:
         return self.reasoning == "required"
 
+    def template_variables(self) -> dict[str, Any]:
+        """What the chat template reads in this mode: its kwargs, and the reasoning effort vLLM hands it too."""
+        return {**self.chat_template_kwargs, **({"reasoning_effort": self.reasoning_effort}
+                                                 if self.reasoning_effort else {})}
+
 
 class ModeWeight(BaseModel):
     """One entry of `generation.modes`: a mode of the profile and its share of the prompts."""

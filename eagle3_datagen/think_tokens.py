@@ -71,10 +71,8 @@ def render_generation_prompt(
     """The prompt text exactly as the server renders it: generation prompt on, switched into `mode` (None: the
     default mode) as the request switches it (see `build_chat_request`)."""
     spec = profile.mode(mode)
-    kwargs = {**spec.chat_template_kwargs, **({"reasoning_effort": spec.reasoning_effort} if spec.reasoning_effort
-                                              else {})}
     return tokenizer.apply_chat_template(
-        with_system_prompt(messages, spec), tokenize=False, add_generation_prompt=True, **kwargs
+        with_system_prompt(messages, spec), tokenize=False, add_generation_prompt=True, **spec.template_variables()
     )
 
 
