@@ -17,8 +17,8 @@ from typing import Any
 from prefect.cache_policies import INPUTS, CachePolicy
 from prefect.context import TaskRunContext
 
-_PLUMBING = ("artifacts", "config", "fingerprints", "hidden_state_format", "profiles", "protocol", "storage",
-             "think_tokens")
+_PLUMBING = ("artifacts", "config", "fingerprints", "hidden_state_format", "modes", "profiles", "protocol",
+             "storage", "think_tokens")
 
 
 def stage_files(module_name: str) -> list[Path]:

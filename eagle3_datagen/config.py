@@ -8,9 +8,20 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from eagle3_datagen.errors import ConfigurationError
+from eagle3_datagen.modes import ModeWeight
 from eagle3_datagen.profiles import BUILTIN_PROFILES, ModelProfile, resolve_profile
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -138,9 +149,10 @@ REQUEST_OWNED_FIELDS = {
     "stream": "remove it (answers are read whole)",
     "stream_options": "remove it (answers are read whole)",
     "return_token_ids": "remove it (sequences.source decides whether the server's ids are used)",
-    "chat_template_kwargs": "thinking is switched by model.profile; define a profile under `profiles:` to change "
-    "its chat_template_kwargs",
-    "reasoning_effort": "set it in a profile under `profiles:` (its reasoning_effort)",
+    "chat_template_kwargs": "thinking is switched by the modes of model.profile (generation.modes picks them); "
+    "define a profile under `profiles:` to change a mode's chat_template_kwargs",
+    "reasoning_effort": "set it in a mode of a profile under `profiles:` (its reasoning_effort), picked by "
+    "generation.modes",
 }
 
 
@@ -156,6 +168,41 @@ class GenerationConfig(_Section):
         default_factory=dict, description="Extra top-level request fields (e.g. structured_outputs); not the "
         "fields this project sets itself (model, messages, sampling, token ids, thinking switches).",
     )
+    modes: list[ModeWeight] | None = Field(
+        default=None,
+        description="The model's modes this run mixes, each with its share of the prompts, e.g. [{mode: thinking, "
+        "weight: 0.7}, {mode: instant, weight: 0.3}]; a prompt's mode follows from its id. Default: the "
+        "profile's default mode only.",
+    )
+
+    @field_validator("modes")
+    @classmethod
+    def _a_mix(cls, modes: list[ModeWeight] | None) -> list[ModeWeight] | None:
+        if modes is None:
+            return None
+        if not modes:
+            raise ValueError("is empty: list at least one mode with its weight, or remove the key for the profile's "
+                             "default mode")
+        names = [entry.mode for entry in modes]
+        if repeated := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"lists mode {', '.join(map(repr, repeated))} twice: give each mode one entry")
+        if negative := [entry for entry in modes if entry.weight < 0]:
+            raise ValueError(f"mode {negative[0].mode!r} has weight {negative[0].weight}: weights must be >= 0")
+        if not sum(entry.weight for entry in modes) > 0:
+            raise ValueError("weights sum to 0: give at least one mode a positive weight")
+        return modes
+
+    @model_serializer(mode="wrap")
+    def _without_unset_modes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A config without a mix dumps as before mixes existed: runs recorded then keep their fingerprints."""
+        dumped: dict[str, Any] = handler(self)
+        if self.modes is None:
+            dumped.pop("modes", None)
+        return dumped
+
+    def mode_mix(self, profile: ModelProfile) -> list[ModeWeight]:
+        """The modes prompts are asked in, with their weights: the configured mix, else the default mode."""
+        return list(self.modes) if self.modes else [ModeWeight(mode=profile.default_mode, weight=1.0)]
 
     @field_validator("extra_body")
     @classmethod
@@ -168,7 +215,13 @@ class GenerationConfig(_Section):
 
 class ValidationConfig(_Section):
     max_empty_reasoning_rate: float = Field(
-        default=0.05, ge=0, le=1, description="A shard with a larger share of empty reasoning is quarantined."
+        default=0.05, ge=0, le=1, description="A shard with a larger share of empty reasoning among its records of "
+        "modes that think is quarantined."
+    )
+    max_unexpected_reasoning_rate: float = Field(
+        default=0.05, ge=0, le=1, description="A shard with a larger share of reasoning among its records of modes "
+        "answered without it (instant: the mode's switch was ignored) is quarantined; the first answers of a run "
+        "are held to it too.",
     )
     max_empty_content_rate: float = Field(
         default=0.10, ge=0, le=1, description="A shard with a larger share of empty answers is quarantined."
@@ -180,7 +233,8 @@ class ValidationConfig(_Section):
     early_abort_after: PositiveInt = Field(
         default=32,
         description="The most requests a run may spend before its first answers are judged: it goes on as soon "
-        "as they show reasoning, and stops with the cause when they show none or the server refuses them.",
+        "as they show reasoning (and instant-mode ones none), and stops with the cause when they show none (or "
+        "instant-mode ones show it) or the server refuses them.",
     )
     allow_inline_reasoning: bool = Field(
         default=False, description="Accept a server without a reasoning parser and split the tags out here."
@@ -347,7 +401,13 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _known_profile(self) -> PipelineConfig:
-        resolve_profile(self.model.profile, self.profiles)
+        profile = resolve_profile(self.model.profile, self.profiles)
+        for entry in self.generation.modes or []:
+            if entry.mode not in profile.mode_specs:
+                raise ValueError(
+                    f"generation.modes: profile {self.model.profile!r} has no mode {entry.mode!r}: use one of "
+                    f"{', '.join(profile.mode_specs)}, or define it under the profile's `modes:`"
+                )
         return self
 
     @property

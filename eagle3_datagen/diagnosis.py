@@ -74,20 +74,34 @@ def check_form(endpoint: str, served: list[str], done: Completion, profile: Mode
         )
 
 
+def _switch(profile: ModelProfile, mode: str) -> dict[str, object]:
+    """Everything a request sends to switch a mode on, for a message that names it."""
+    spec = profile.mode(mode)
+    return {**spec.template_variables(), **({"system_prompt": spec.system_prompt} if spec.system_prompt else {})}
+
+
 def why_empty(profile: ModelProfile) -> str:
     """The likely cause of answers without reasoning from a server whose answers are otherwise well formed."""
-    switch = profile.chat_template_kwargs or {"reasoning_effort": profile.reasoning_effort}
-    return (f"no reasoning came back with thinking switched on ({switch}): thinking is off or the switch is "
-            f"ignored: check model.profile matches the served model and restart vLLM with --reasoning-parser "
-            f"{profile.reasoning_parser}")
+    return (f"no reasoning came back with thinking switched on ({_switch(profile, profile.thinking_mode)}): thinking "
+            f"is off or the switch is ignored: check model.profile matches the served model and restart vLLM with "
+            f"--reasoning-parser {profile.reasoning_parser}")
+
+
+def why_unswitched(profile: ModelProfile, modes: list[str]) -> str:
+    """The likely cause of reasoning in answers asked in a mode that answers without it (instant)."""
+    switches = "; ".join(f"{mode}: {_switch(profile, mode)}" for mode in modes)
+    return (f"the switch that turns thinking off ({switches}) is ignored: check that model.profile's modes match the "
+            "served model's chat template, or take the mode out of generation.modes")
 
 
 def reasoning_facts(completions: list[Completion], sequence_source: str = "auto") -> dict[str, object]:
-    """The ProbeFinding fields an endpoint's first (well-formed) answers establish."""
+    """The ProbeFinding fields an endpoint's first (well-formed) answers establish; answers of a mode without
+    reasoning (instant) say nothing of where reasoning arrives."""
     ids = all(c.completion_token_ids is not None for c in completions)
+    reasoned = [c for c in completions if c.reasoning_source != "none"] or completions
     return {
-        "reasoning_field": completions[0].reasoning_source,
+        "reasoning_field": reasoned[0].reasoning_source,
         "token_ids_returned": ids,
         "sequence_source": "server" if ids and sequence_source != "text" else "text",
-        "reasoning_chars": min(len(c.reasoning) for c in completions),
+        "reasoning_chars": min(len(c.reasoning) for c in reasoned),
     }

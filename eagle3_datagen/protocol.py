@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 
 from eagle3_datagen.config import GenerationConfig, ServerConfig
+from eagle3_datagen.modes import with_system_prompt
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.redaction import register_secret
 
@@ -89,24 +90,25 @@ def build_chat_request(
     *,
     seed: int | None = None,
     stream: bool = False,
-    template_kwargs: Mapping[str, Any] | None = None,
+    mode: str | None = None,
     max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of a chat completion with thinking switched on the way this model wants."""
+    """The JSON body of a chat completion in one of the model's modes (None: its default), switched on the way
+    this model wants."""
+    spec = profile.mode(mode)
     body: dict[str, Any] = {
         "model": model,
-        "messages": messages,
+        "messages": with_system_prompt(messages, spec),
         "max_tokens": max_tokens or generation.max_tokens,
         "temperature": generation.temperature,
         "top_p": generation.top_p,
         "return_token_ids": True,
         "stream": stream,
     }
-    kwargs = dict(profile.chat_template_kwargs if template_kwargs is None else template_kwargs)
-    if kwargs:
-        body["chat_template_kwargs"] = kwargs
-    if profile.reasoning_effort:
-        body["reasoning_effort"] = profile.reasoning_effort
+    if spec.chat_template_kwargs:
+        body["chat_template_kwargs"] = dict(spec.chat_template_kwargs)
+    if spec.reasoning_effort:
+        body["reasoning_effort"] = spec.reasoning_effort
     if seed is not None:
         body["seed"] = seed
     if generation.n > 1:

@@ -13,6 +13,7 @@ from typing import Any
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from eagle3_datagen.errors import ConfigurationError
+from eagle3_datagen.modes import with_system_prompt
 from eagle3_datagen.profiles import ModelProfile
 
 
@@ -28,7 +29,7 @@ class ThinkTokenSpec:
     start_id: int
     end_id: int
     end_of_turn_id: int
-    template_writes_start_tag: bool  # found by rendering the generation prompt
+    template_writes_start_tag: bool  # found by rendering the generation prompt in the profile's thinking mode
     generation_prompt_suffix: str  # what the rendered prompt ends with, for the report
 
     def as_dict(self) -> dict[str, Any]:
@@ -77,11 +78,13 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[l
 
 
 def render_generation_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], profile: ModelProfile
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], profile: ModelProfile, mode: str | None = None
 ) -> str:
-    """The prompt text exactly as the server renders it: generation prompt on, thinking switched on."""
+    """The prompt text exactly as the server renders it: generation prompt on, switched into `mode` (None: the
+    default mode) as the request switches it (see `build_chat_request`)."""
+    spec = profile.mode(mode)
     return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **profile.chat_template_kwargs
+        with_system_prompt(messages, spec), tokenize=False, add_generation_prompt=True, **spec.template_variables()
     )
 
 
@@ -97,7 +100,8 @@ def discover_think_tokens(tokenizer: PreTrainedTokenizerBase, profile: ModelProf
     end_of_turn_id = single_token_id(tokenizer, profile.end_of_turn, "end-of-turn token")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ThinkTokenError("the tokenizer has no chat template: use the model's own tokenizer folder")
-    rendered = render_generation_prompt(tokenizer, [{"role": "user", "content": "2+2?"}], profile)
+    rendered = render_generation_prompt(tokenizer, [{"role": "user", "content": "2+2?"}], profile,
+                                        profile.thinking_mode)
     writes_start = rendered.rstrip().endswith(profile.think_start)
     return ThinkTokenSpec(
         think_start=profile.think_start,

@@ -41,6 +41,8 @@ from eagle3_datagen.artifacts import (
 from eagle3_datagen.config import ConfigError, PipelineConfig, absolute_uri, parse_config
 from eagle3_datagen.errors import UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
+from eagle3_datagen.modes import assign_mode
+from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.redaction import redact
 from eagle3_datagen.storage import RunStore, iter_jsonl
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
@@ -141,8 +143,10 @@ def recorded_config(run_uri: str, overrides: list[str] | None = None) -> Pipelin
     return parse_config(store.read_json(MANIFEST)["config"], overrides)
 
 
-def _reasoning_tokens(record: dict[str, Any], end_id: int) -> int:
+def _reasoning_tokens(record: dict[str, Any], end_id: int, thinks: bool) -> int:
     ids = record.get("completion_token_ids") or []
+    if not thinks:
+        return 0
     return ids.index(end_id) if end_id in ids else len(ids)
 
 
@@ -159,35 +163,58 @@ def _summarized(store: RunStore, path: str, key: str, summarize: Callable[[bytes
     return summary
 
 
-def _generations_summary(data: bytes, end_id: int) -> dict[str, Any]:
-    reasoning_lengths, answer_lengths, with_reasoning, truncated = [], [], 0, 0
+def _generations_summary(data: bytes, end_id: int, profile: ModelProfile) -> dict[str, Any]:
+    """Counts and lengths of a shard's records, read one at a time; reasoning is measured on the records of modes
+    that think."""
+    reasoning_lengths, answer_lengths, records, with_reasoning, truncated = [], [], 0, 0, 0
+    by_mode: dict[str, dict[str, int]] = {}
     for record in iter_jsonl(data):
-        reasoning = _reasoning_tokens(record, end_id)
-        reasoning_lengths.append(reasoning)
-        answer_lengths.append(len(record.get("completion_token_ids") or []) - reasoning)
-        with_reasoning += bool(record["reasoning"].strip())
+        mode = profile.mode_of(record)
+        thinks = profile.mode(mode).thinks
+        reasoning = _reasoning_tokens(record, end_id, thinks)
+        answer = len(record.get("completion_token_ids") or []) - reasoning
+        has_reasoning = bool(record["reasoning"].strip())
+        records += 1
         truncated += record["finish_reason"] == "length"
-    records = len(reasoning_lengths)
+        answer_lengths.append(answer)
+        if thinks:
+            reasoning_lengths.append(reasoning)
+            with_reasoning += has_reasoning
+        counts = by_mode.setdefault(mode, {"records": 0, "with_reasoning": 0, "reasoning_tokens": 0,
+                                           "answer_tokens": 0})
+        counts["records"] += 1
+        counts["with_reasoning"] += has_reasoning
+        counts["reasoning_tokens"] += reasoning
+        counts["answer_tokens"] += answer
     return {
         "records": records,
-        "reasoning_coverage": with_reasoning / max(1, records),
+        "reasoning_coverage": with_reasoning / max(1, len(reasoning_lengths)),
         "truncated": truncated,
-        "mean_reasoning_tokens": statistics.fmean(reasoning_lengths) if records else 0.0,
+        "mean_reasoning_tokens": statistics.fmean(reasoning_lengths) if reasoning_lengths else 0.0,
         "mean_answer_tokens": statistics.fmean(answer_lengths) if records else 0.0,
         "reasoning_lengths": reasoning_lengths,
         "answer_lengths": answer_lengths,
+        "modes": by_mode,
     }
 
 
 def _sequences_summary(data: bytes) -> dict[str, Any]:
-    table = pq.read_table(io.BytesIO(data), columns=["id", "num_tokens", "agrees"])
+    with_mode = "mode" in pq.read_schema(io.BytesIO(data)).names
+    table = pq.read_table(io.BytesIO(data), columns=["id", "num_tokens", "agrees", *(["mode"] if with_mode else [])])
     agrees = [a for a in table.column("agrees").to_pylist() if a is not None]
+    by_mode: dict[str, dict[str, int]] = {}
+    if with_mode:
+        for mode, tokens in zip(table.column("mode").to_pylist(), table.column("num_tokens").to_pylist(), strict=True):
+            counts = by_mode.setdefault(mode, {"records": 0, "tokens": 0})
+            counts["records"] += 1
+            counts["tokens"] += tokens
     return {
         "records": table.num_rows,
         "tokens": sum(table.column("num_tokens").to_pylist()),
         "accepted_prompts": len({prompt_id_of(i) for i in table.column("id").to_pylist()}),
         "cross_checked": len(agrees),  # samples with server ids also rebuilt from text (sequences.cross_check_rate)
         "text_rebuild_agreement": sum(agrees) / len(agrees) if agrees else None,
+        "modes": by_mode,
     }
 
 
@@ -195,18 +222,28 @@ def _rejected_count(store: RunStore, path: str) -> int:
     return len(store.read_jsonl(path)) if store.exists(path) else 0
 
 
-def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id: int) -> dict[str, Any]:
-    """Per-stage status and counts of one shard, read from its artifacts (or their completion markers)."""
+def _rejected_by_mode(store: RunStore, path: str, mode_of: Callable[[str], str]) -> dict[str, int]:
+    """Refused prompts or samples per mode: a prompt's mode is a function of its id, so a refusal needs no record."""
+    return dict(Counter(mode_of(row["id"]) for row in store.read_jsonl(path))) if store.exists(path) else {}
+
+
+def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id: int, profile: ModelProfile,
+                 mode_of: Callable[[str], str]) -> dict[str, Any]:
+    """Per-stage status and counts of one shard, read from its artifacts (or their completion markers).
+
+    `mode_of` names the mode of a prompt or sample id (the run's mix), for the per-mode counts.
+    """
     index = prompts.index
     status: dict[str, Any] = {"prompts": {"status": "done", "records": prompts.num_records}}
     generations = artifact_path("generations", index)
     if not store.exists(generations):
         status["generations"] = {"status": "pending"}
         return status
-    summary = _summarized(store, generations, f"report_think_end_{end_id}",
-                          lambda data: _generations_summary(data, end_id))
+    summary = _summarized(store, generations, f"report_by_mode_think_end_{end_id}",
+                          lambda data: _generations_summary(data, end_id, profile))
     status["generations"] = {"status": "done", **summary,
-                             "rejected": _rejected_count(store, rejected_path("generations", index))}
+                             "rejected": _rejected_count(store, rejected_path("generations", index)),
+                             "rejected_by_mode": _rejected_by_mode(store, rejected_path("generations", index), mode_of)}
     validation = artifact_path("validation", index)
     if not store.exists(validation):
         status["validation"] = {"status": "pending"}
@@ -225,8 +262,9 @@ def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id
             reason, count = reasons.most_common(1)[0]
             status["sequences"] = {"status": "failed", "reasons": [f"{count} samples refused: {reason}"]}
         return status
-    status["sequences"] = {"status": "done", **_summarized(store, sequences, "report", _sequences_summary),
-                           "rejected": _rejected_count(store, seq_rejected)}
+    status["sequences"] = {"status": "done", **_summarized(store, sequences, "report_by_mode", _sequences_summary),
+                           "rejected": _rejected_count(store, seq_rejected),
+                           "rejected_by_mode": _rejected_by_mode(store, seq_rejected, mode_of)}
     if hidden_states:
         index_path = artifact_path("hidden_states", index)
         if store.exists(index_path):
@@ -342,14 +380,48 @@ def shard_row(name: str, status: dict[str, Any], last_stage: str) -> dict[str, A
     }
 
 
+def mode_rows(shards: dict[str, dict[str, Any]], weights: dict[str, float], last_stage: str) -> list[dict[str, Any]]:
+    """What the report says of each mode of the run's mix: records, samples kept and refused, lengths.
+
+    Kept samples are those of shards that reached the last stage; refused ones were refused by the server or by
+    the sequences stage (not provably exact, or reasoning in a mode answered without it).
+    """
+    total_weight = sum(weights.values())
+    rows = []
+    for mode, weight in weights.items():
+        generated = [s["generations"].get("modes", {}).get(mode, {}) for s in shards.values() if "generations" in s]
+        records = sum(g.get("records", 0) for g in generated)
+        kept = sum(s["sequences"].get("modes", {}).get(mode, {}).get("records", 0) for s in shards.values()
+                   if s.get(last_stage, {}).get("status") == "done")
+        refused = sum(s.get(stage, {}).get("rejected_by_mode", {}).get(mode, 0) for s in shards.values()
+                      for stage in ("generations", "sequences"))
+        rows.append({
+            "mode": mode,
+            "share asked": f"{weight / total_weight:.0%}",
+            "records": records,
+            "kept": kept,
+            "refused": refused,
+            "with reasoning": f"{sum(g.get('with_reasoning', 0) for g in generated) / max(1, records):.1%}",
+            "mean reasoning tok": f"{sum(g.get('reasoning_tokens', 0) for g in generated) / max(1, records):.1f}",
+            "mean answer tok": f"{sum(g.get('answer_tokens', 0) for g in generated) / max(1, records):.1f}",
+        })
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    return ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0]),
+            *("| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows)]
+
+
 def render_report(run_name: str, run_uri: str, rows: list[dict[str, Any]], totals: dict[str, Any],
-                  plots: dict[str, bytes]) -> str:
-    """The report: output location, one row per shard, totals, and the plots inline (PNG data URIs, which the
-    Prefect UI renders in a markdown artifact)."""
-    lines = [f"# Run {run_name}", "", f"Output: [{run_uri}]({_link(run_uri)})", ""]
-    if rows:
-        lines += ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-        lines += ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows]
+                  plots: dict[str, bytes], modes: list[dict[str, Any]]) -> str:
+    """The report: output location, one row per shard, one per mode, totals, and the plots inline (PNG data URIs,
+    which the Prefect UI renders in a markdown artifact)."""
+    lines = [f"# Run {run_name}", "", f"Output: [{run_uri}]({_link(run_uri)})", "", *_table(rows)]
+    if modes:
+        lines += ["", *_table(modes)]
     lines += ["", "| total | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in totals.items()]
     for title, png in plots.items():
         lines += ["", f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})"]
@@ -389,9 +461,13 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
     with_hidden = config.hidden_states.backend != "none"
     end_id = context.think_tokens["end_id"]
     num_shards = len(prompt_shards)
-    shards = {shard_name(ref.index): shard_status(store, ref, with_hidden, end_id) for ref in prompt_shards}
+    mix = config.generation.mode_mix(config.profile)
+    shards = {shard_name(ref.index): shard_status(store, ref, with_hidden, end_id, config.profile,
+                                                  lambda sample: assign_mode(prompt_id_of(sample), mix))
+              for ref in prompt_shards}
     last_stage = "hidden_states" if with_hidden else "sequences"
     shard_rows = [shard_row(name, status, last_stage) for name, status in shards.items()]
+    by_mode = mode_rows(shards, {entry.mode: entry.weight for entry in mix}, last_stage)
     timeline = store.read_jsonl(TIMELINE) if store.exists(TIMELINE) else []
     plots = run_plots(shards, shard_rows, timeline)
     for status in shards.values():
@@ -401,30 +477,31 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
     rejected = prompt_rejections + sum(
         s.get(stage, {}).get("rejected", 0) for s in shards.values() for stage in ("generations", "sequences"))
     records = sum(s.get("generations", {}).get("records", 0) for s in shards.values())
-    covered = sum(s["generations"]["records"] * s["generations"]["reasoning_coverage"]
-                  for s in shards.values() if "records" in s.get("generations", {}))
+    thinking = [counts for s in shards.values() for mode, counts in s.get("generations", {}).get("modes", {}).items()
+                if config.profile.mode(mode).thinks]  # coverage is of the records of modes that think
+    covered = sum(c["with_reasoning"] for c in thinking) / max(1, sum(c["records"] for c in thinking))
     totals = {
         "input rows": rows,
         "rejected": rejected,
         "shards": num_shards,
         "shards finished": len(finished),
         "records generated": records,
-        "reasoning coverage": f"{covered / max(1, records):.1%}",
+        "reasoning coverage": f"{covered:.1%}",
         "sequence tokens": sum(s.get("sequences", {}).get("tokens", 0) for s in shards.values()),
         "hidden-state bytes": sum(s.get("hidden_states", {}).get("bytes", 0) for s in shards.values()),
     }
     for title, png in plots.items():
         store.write_bytes(PLOT_FILES[title], png)
-    report = render_report(config.run_name, store.uri, shard_rows, totals, {})  # the file links its plots' files
+    report = render_report(config.run_name, store.uri, shard_rows, totals, {}, by_mode)  # the file links its plots
     store.write_text("report.md", report + "".join(f"\n![{title}]({file})\n" for title, file in PLOT_FILES.items()
                                                    if title in plots))
     create_markdown_artifact(key=ui_key(config.run_name, "report"),
-                             markdown=render_report(config.run_name, store.uri, shard_rows, totals, plots),
+                             markdown=render_report(config.run_name, store.uri, shard_rows, totals, plots, by_mode),
                              description=f"eagle3-datagen run {config.run_name}: per shard, totals and plots")
     generation_error = one_line(generation) if isinstance(generation, BaseException) else None
     cause = run_shortfall(shards, last_stage, num_shards, config.validation.min_accepted_rate, store,
                           generation_error)
-    end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals)
+    end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals, modes=by_mode)
     if cause and isinstance(generation, UserError):
         raise generation.restated(cause) from None  # its type and exit status, with what the run knows now
     if cause:
@@ -439,6 +516,8 @@ def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards
                   store: RunStore, generation_error: str | None = None) -> str | None:
     """Why the run produced less than it should, as one line naming the shards; None when it is complete."""
     short = [name for name, s in shards.items() if s.get(last_stage, {}).get("status") != "done"]
+    if generation_error and not short:  # refused before asking (other settings): the shards are from before
+        return generation_error
     if short:
         more = f" and {len(short) - 10} more" if len(short) > 10 else ""
         which = f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}"

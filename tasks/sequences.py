@@ -1,8 +1,10 @@
 """Stage 5: each sample's exact token sequence with the model's own think tokens, and its loss mask.
 
 Two ways, cross-checked: (a) the server's own ids (prompt_token_ids + completion token_ids), exact by
-construction; (b) rebuilt from text: the generation prompt rendered with thinking on, then the start tag if the
-template did not write it, the reasoning, the end tag id, the content and the end-of-turn id. The whole
+construction; (b) rebuilt from text: the generation prompt rendered in the record's mode, then the start tag if
+the template did not write it, the reasoning, the end tag id, the content and the end-of-turn id (in a mode
+answered without reasoning, instant, the template closed the think block: the content and the end-of-turn id
+only). The whole
 conversation is never rendered through the template, which would drop the reasoning. `sequences.source` picks
 the way ((a) where the server sent ids under `auto`); where the server sent ids, a sample of prompts
 (`sequences.cross_check_rate`) is rebuilt from text too and the agreement recorded per sample. A text
@@ -45,6 +47,7 @@ SCHEMA = pa.schema([
     ("source", pa.string()),
     ("agrees", pa.bool_()),
     ("first_diff", pa.int32()),
+    ("mode", pa.string()),
 ])
 
 
@@ -63,6 +66,7 @@ class Sequence:
     source: str  # "server" or "text"
     agrees: bool | None  # None when only one way was built
     first_diff: int | None
+    mode: str  # the mode the prompt was asked in (the profile's default mode in a run without a mix)
 
 
 @dataclass
@@ -86,14 +90,18 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def completion_ids_from_text(
-    reasoning_ids: list[int], content_ids: list[int], record: dict[str, Any], spec: ThinkTokenSpec
+    reasoning_ids: list[int], content_ids: list[int], record: dict[str, Any], spec: ThinkTokenSpec,
+    thinks: bool = True,
 ) -> list[int]:
-    """Start tag (if the model writes it), reasoning, end tag, content, end of turn; truncation cuts the tail."""
-    ids = ([] if spec.template_writes_start_tag else [spec.start_id]) + reasoning_ids
+    """Start tag (if the model writes it), reasoning, end tag, content, end of turn; truncation cuts the tail.
+
+    In a mode that does not think (instant) the prompt closed the think block: content and end of turn only.
+    """
+    ids = ([] if spec.template_writes_start_tag or not thinks else [spec.start_id]) + reasoning_ids
     truncated = record["finish_reason"] == "length"
     if truncated and not record["content"]:
         return ids
-    ids += [spec.end_id, *content_ids]
+    ids += [*([spec.end_id] if thinks else []), *content_ids]
     return ids if truncated else [*ids, spec.end_of_turn_id]
 
 
@@ -104,16 +112,20 @@ def prompt_mask(prompt_ids: list[int], spec: ThinkTokenSpec, supervise_start_tag
     return mask
 
 
-def think_end_miscount(completion_ids: list[int], spec: ThinkTokenSpec) -> str | None:
-    """Why a completion carries more than one think-end id; else None.
+def think_end_miscount(completion_ids: list[int], spec: ThinkTokenSpec, thinks: bool = True) -> str | None:
+    """Why a completion carries more think-end ids than its mode allows; else None.
 
     The model closes its reasoning once: a second think-end id is one the server's parser took out of the answer
     text (vLLM's kimi_k2 does), and a sequence would supervise both. None (reasoning never closed, or cut by
-    max_tokens) is what the model did and stays exact; validation counts it.
+    max_tokens) is what the model did and stays exact; validation counts it. In a mode that does not think
+    (instant) the template closed the think block: any think-end id in the completion means the model thought.
     """
     found = completion_ids.count(spec.end_id)
-    if found <= 1:
+    if found <= (1 if thinks else 0):
         return None
+    if not thinks:
+        return (f"{found} think-end tokens ({spec.end_id}) in a completion of a mode answered without reasoning: "
+                "the model thought though the mode's switch turned thinking off")
     return (f"{found} think-end tokens ({spec.end_id}) in the completion, not 1: the server's parser took one out "
             "of the answer text")
 
@@ -167,14 +179,17 @@ def _needs_text(record: dict[str, Any], settings: SequencesConfig) -> bool:
 
 def text_rebuilds(records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, profile: ModelProfile,
                    spec: ThinkTokenSpec) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) rebuilt from each record's text, batch-tokenized."""
+    """(prompt ids, completion ids) rebuilt from each record's text in its own mode, batch-tokenized."""
     if not records:
         return []
     encode = lambda texts: encode_texts(tokenizer, texts)  # noqa: E731
-    prompt_ids = encode([render_generation_prompt(tokenizer, r["messages"], profile) for r in records])
+    modes = [profile.mode_of(r) for r in records]
+    prompt_ids = encode([render_generation_prompt(tokenizer, r["messages"], profile, mode)
+                         for r, mode in zip(records, modes, strict=True)])
     reasoning_ids = encode([r["reasoning"] for r in records])
     content_ids = encode([r["content"] or "" for r in records])
-    return [(prompt_ids[i], completion_ids_from_text(reasoning_ids[i], content_ids[i], record, spec))
+    return [(prompt_ids[i], completion_ids_from_text(reasoning_ids[i], content_ids[i], record, spec,
+                                                     profile.mode(modes[i]).thinks))
             for i, record in enumerate(records)]
 
 
@@ -199,6 +214,12 @@ def build_sequences(
     for i, record in enumerate(records):
         server_prompt, server_completion = record.get("prompt_token_ids"), record.get("completion_token_ids")
         has_ids = server_prompt is not None and server_completion is not None
+        mode = profile.mode_of(record)
+        thinks = profile.mode(mode).thinks
+        if not thinks and record["reasoning"].strip():
+            shard.reject(record["id"], f"reasoning in a record of mode {mode!r}, answered without reasoning: the "
+                                       "mode's switch was ignored")
+            continue
         if settings.source == "server" and not has_ids:
             shard.reject(record["id"], "the server returned no token ids (sequences.source: server)")
             continue
@@ -217,7 +238,7 @@ def build_sequences(
                 shard.count_mismatches += 1
                 shard.reject(record["id"], f"text rebuild disagrees with the server's counts: {mismatch}")
                 continue
-        if profile.single_token_tags and (miscount := think_end_miscount(completion, spec)):
+        if profile.single_token_tags and (miscount := think_end_miscount(completion, spec, thinks)):
             shard.reject(record["id"], miscount)
             continue
         ids = prompt + completion
@@ -227,7 +248,7 @@ def build_sequences(
                 shard.reject(record["id"], f"{len(ids)} tokens > sequences.max_seq_len {settings.max_seq_len}")
                 continue
             ids, mask = ids[: settings.max_seq_len], mask[: settings.max_seq_len]
-        shard.sequences.append(Sequence(record["id"], ids, mask, source, agrees, diff))
+        shard.sequences.append(Sequence(record["id"], ids, mask, source, agrees, diff, mode))
     return shard
 
 
@@ -241,6 +262,7 @@ def to_table(sequences: list[Sequence]) -> pa.Table:
             "source": [s.source for s in sequences],
             "agrees": [s.agrees for s in sequences],
             "first_diff": [s.first_diff for s in sequences],
+            "mode": [s.mode for s in sequences],
         },
         schema=SCHEMA,
     )

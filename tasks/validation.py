@@ -44,24 +44,36 @@ class ShardValidation:
     reasoning_split_inline: int
     status: str
     reasons: list[str] = field(default_factory=list)
+    unexpected_reasoning: int = 0  # records of a mode answered without reasoning (instant) that carry some
+    records_by_mode: dict[str, int] = field(default_factory=dict)
+    thinking_records: int | None = None  # records of modes that think; None: all of them
 
-    def rate(self, count: int) -> float:
-        return count / self.records if self.records else 0.0
+    def rate(self, count: int, of: int | None = None) -> float:
+        of = self.records if of is None else of
+        return count / of if of else 0.0
+
+    def rate_of(self, name: str) -> float:
+        """A check's rate over the records it applies to: reasoning checks over their own modes' records."""
+        thinking = self.records if self.thinking_records is None else self.thinking_records
+        of = {"empty_reasoning": thinking, "unexpected_reasoning": self.records - thinking}.get(name, self.records)
+        return self.rate(getattr(self, name), of)
 
     def as_dict(self) -> dict[str, Any]:
         counts = asdict(self)
         names = ("empty_reasoning", "empty_content", "truncated", "leaked_tags", "duplicate_ids",
-                 "token_text_mismatch", "think_end_miscount")
-        counts["rates"] = {name: round(self.rate(counts[name]), 6) for name in names}
+                 "token_text_mismatch", "think_end_miscount", "unexpected_reasoning")
+        counts["rates"] = {name: round(self.rate_of(name), 6) for name in names}
         return counts
 
 
-def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec, closed: bool = True) -> str:
+def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec, closed: bool = True,
+                             thinks: bool = True) -> str:
     """The completion text the server's token ids should decode to, rebuilt from reasoning and content.
 
     `closed`: the ids hold a think-end id (a model that never closed its reasoning has none to decode).
+    `thinks`: the record's mode thinks; in one that does not (instant) the template closed the think block.
     """
-    text = ("" if spec.template_writes_start_tag else spec.think_start) + record["reasoning"]
+    text = ("" if spec.template_writes_start_tag or not thinks else spec.think_start) + record["reasoning"]
     if record["finish_reason"] == "length" and not record["content"]:
         return text
     text += (spec.think_end if closed else "") + (record["content"] or "")
@@ -76,14 +88,24 @@ def validate_records(
     decode: Any | None = None,
     spec: ThinkTokenSpec | None = None,
 ) -> ShardValidation:
-    """Count what can silently ruin training data and decide pass or quarantine, in one pass over the records."""
+    """Count what can silently ruin training data and decide pass or quarantine, in one pass over the records.
+
+    Each record is held to its own mode: one that thinks must carry reasoning and close it once; one answered
+    without reasoning (instant) must carry none and no think-end id.
+    """
     tags = (profile.think_start, profile.think_end)
     ids: Counter[str] = Counter()
+    modes: Counter[str] = Counter()
     counts: Counter[str] = Counter()
     for record in records:
         ids[record["id"]] += 1
-        content = record["content"] or ""
-        counts["empty_reasoning"] += not record["reasoning"].strip()
+        mode = profile.mode_of(record)
+        modes[mode] += 1
+        thinking = profile.mode(mode).thinks
+        content, has_reasoning = record["content"] or "", bool(record["reasoning"].strip())
+        counts["thinking_records"] += thinking
+        counts["empty_reasoning"] += thinking and not has_reasoning
+        counts["unexpected_reasoning"] += not thinking and has_reasoning
         counts["empty_content"] += not content.strip()
         counts["truncated"] += record["finish_reason"] == "length"
         counts["leaked_tags"] += any(t in record["reasoning"] or t in content for t in tags)
@@ -92,28 +114,32 @@ def validate_records(
         if decode is None or spec is None or token_ids is None:
             continue
         ends = token_ids.count(spec.end_id)
-        counts["token_text_mismatch"] += decode(token_ids) != expected_completion_text(record, spec, closed=ends > 0)
-        counts["think_end_miscount"] += ends > 1
-        counts["unclosed_reasoning"] += ends == 0 and record["finish_reason"] != "length"
-    checks = ("empty_reasoning", "empty_content", "truncated", "leaked_tags", "token_text_mismatch",
-              "think_end_miscount", "unclosed_reasoning", "reasoning_split_inline")
+        counts["token_text_mismatch"] += decode(token_ids) != expected_completion_text(record, spec, ends > 0,
+                                                                                         thinking)
+        counts["think_end_miscount"] += ends > (1 if thinking else 0)
+        counts["unclosed_reasoning"] += thinking and ends == 0 and record["finish_reason"] != "length"
+    checks = ("empty_reasoning", "unexpected_reasoning", "empty_content", "truncated", "leaked_tags",
+              "token_text_mismatch", "think_end_miscount", "unclosed_reasoning", "reasoning_split_inline",
+              "thinking_records")
     result = ShardValidation(
         index=index,
         records=ids.total(),
         duplicate_ids=sum(n - 1 for n in ids.values()),
         status="pass",
+        records_by_mode=dict(modes),
         **{check: counts[check] for check in checks},
     )
     reasons = []
     for name, limit in (
         ("empty_reasoning", thresholds.max_empty_reasoning_rate),
+        ("unexpected_reasoning", thresholds.max_unexpected_reasoning_rate),
         ("empty_content", thresholds.max_empty_content_rate),
         ("truncated", thresholds.max_truncated_rate),
         ("leaked_tags", thresholds.max_leaked_tags_rate),
         ("token_text_mismatch", thresholds.max_token_text_mismatch_rate),
         ("think_end_miscount", thresholds.max_token_text_mismatch_rate),
     ):
-        rate = result.rate(getattr(result, name))
+        rate = result.rate_of(name)
         if rate > limit:
             setting = "max_token_text_mismatch_rate" if name == "think_end_miscount" else f"max_{name}_rate"
             reasons.append(f"{name} rate {rate:.1%} > validation.{setting} {limit:.1%}")
@@ -125,10 +151,11 @@ def validate_records(
 
 
 def _markdown(run_name: str, report: ShardValidation) -> str:
-    rows = "\n".join(f"| {k} | {v} | {report.rate(v):.1%} |" for k, v in asdict(report).items()
-                     if isinstance(v, int) and k not in ("index", "records"))
+    rows = "\n".join(f"| {k} | {v} | {report.rate_of(k):.1%} |" for k, v in asdict(report).items()
+                     if isinstance(v, int) and k not in ("index", "records", "thinking_records"))
+    by_mode = ", ".join(f"{mode} {count}" for mode, count in report.records_by_mode.items())
     verdict = report.status + ("" if not report.reasons else ": " + "; ".join(report.reasons))
-    return (f"### {run_name} shard {report.index:05d}: {verdict}\n\n{report.records} records\n\n"
+    return (f"### {run_name} shard {report.index:05d}: {verdict}\n\n{report.records} records ({by_mode})\n\n"
             f"| check | count | rate |\n|---|---|---|\n{rows}\n")
 
 

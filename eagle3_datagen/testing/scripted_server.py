@@ -53,6 +53,9 @@ SHAPES = (
 )
 
 
+THINKING_SWITCHES = ("enable_thinking", "thinking")  # Qwen3's and Kimi-K2.5's: false answers without reasoning
+
+
 def expected_reasoning(question: str) -> str:
     """What the scripted server reasons about a question (non-ASCII on purpose)."""
     return f"\nThe user asks: «{question}». Let me think step by step… 🤔\n"
@@ -89,6 +92,7 @@ class Script:
     max_running: int | None = None  # like vLLM's max_num_seqs: more requests wait in a queue before they run
     serve_metrics: bool = True  # vLLM's load gauges at /metrics (running, waiting, KV-cache usage)
     reasoning_chars: int = 0  # every reasoning padded to this length: the long traces of real reasoning models
+    ignore_thinking_switch: bool = False  # answer with reasoning even when the request switches thinking off
 
 
 def scripted_latency(script: Script, index: int) -> float:
@@ -168,7 +172,8 @@ def padded(reasoning: str, chars: int) -> str:
 
 def _message(question: str, body: dict[str, Any], script: Script) -> dict[str, Any]:
     reasoning, content = padded(expected_reasoning(question), script.reasoning_chars), expected_content(question)
-    thinking = (body.get("chat_template_kwargs") or {}) != {"enable_thinking": False}
+    switches = body.get("chat_template_kwargs") or {}
+    thinking = script.ignore_thinking_switch or all(switches.get(name, True) for name in THINKING_SWITCHES)
     if script.shape == "none" or not thinking:
         return {"role": "assistant", "content": content.strip()}
     shapes: dict[str, dict[str, Any]] = {

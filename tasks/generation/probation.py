@@ -7,7 +7,9 @@ Two checks, both on real prompts whose answers are kept:
 - the share of answers without reasoning is judged by Wald's sequential probability ratio test between a healthy
   run (`validation.max_empty_reasoning_rate`) and a broken one (half the answers or more without reasoning):
   about seven good answers let the run go on, three empty ones in a row stop it, and a run still undecided when
-  the window is spent is judged on the window's rates as a whole.
+  the window is spent is judged on the window's rates as a whole. A run that mixes in a mode answered without
+  reasoning (instant) judges those answers the same way, the other way round: reasoning in them means the mode's
+  switch is ignored (`validation.max_unexpected_reasoning_rate`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from eagle3_datagen.config import ValidationConfig
-from eagle3_datagen.diagnosis import ServerCheckFailed, check_form, reasoning_facts, why_empty
+from eagle3_datagen.diagnosis import ServerCheckFailed, check_form, reasoning_facts, why_empty, why_unswitched
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import Completion
@@ -40,11 +43,13 @@ class Outcome:
     completions: list[Completion] = field(default_factory=list)
     refusal: str | None = None
     abandoned: bool = False  # the run gave up before this prompt was answered; it stays pending
+    mode: str | None = None  # the mode the prompt was asked in; None: the profile's default mode
 
 
 @dataclass
 class EmptyReasoningTest:
-    """Wald's SPRT on the share of answers without reasoning: `healthy` rate against `broken` rate."""
+    """Wald's SPRT on the share of answers out of their mode (thinking without reasoning, or instant with it):
+    `healthy` rate against `broken` rate."""
 
     healthy: float
     broken: float
@@ -80,15 +85,22 @@ class Probation:
     """Lets the first `size` requests of a run out, judges their answers as they come, then opens or aborts."""
 
     def __init__(self, size: int, endpoints: list[str], model: str, profile: ModelProfile,
-                 validation: ValidationConfig, sequence_source: str = "auto") -> None:
+                 validation: ValidationConfig, sequence_source: str = "auto", modes: Sequence[str] = ()) -> None:
         self.size = size
         self._sequence_source = sequence_source
         self._endpoints = endpoints
         self._model = model
         self._profile = profile
         self._validation = validation
-        self._empty_test = EmptyReasoningTest.allowing(validation.max_empty_reasoning_rate)
+        asked = [profile.mode(name) for name in modes or [profile.default_mode]]
+        self._instant_modes = [name for name in modes if not profile.mode(name).thinks]
+        # a test per kind of mode the run asks in; a kind it never asks in has nothing to prove
+        self._empty_test = EmptyReasoningTest.allowing(
+            validation.max_empty_reasoning_rate if any(spec.thinks for spec in asked) else 1.0)
+        self._unswitched_test = EmptyReasoningTest.allowing(
+            validation.max_unexpected_reasoning_rate if self._instant_modes else 1.0)
         self._started = self._finished = self._answers = self._empty = 0
+        self._instant_answers = self._unswitched = 0
         self._refusals: list[str] = []
         self._probes: dict[str, list[Completion]] = {}
         self.findings: dict[str, dict[str, object]] = {}  # reasoning facts per endpoint, for the manifest
@@ -128,10 +140,15 @@ class Probation:
         if outcome.refusal is not None:
             self._refusals.append(outcome.refusal)
         elif outcome.completions:
-            empty = not outcome.completions[0].reasoning.strip()
-            self._answers += 1
-            self._empty += empty
-            self._empty_test.add(empty)
+            reasoned = bool(outcome.completions[0].reasoning.strip())
+            if self._profile.mode(outcome.mode).thinks:
+                self._answers += 1
+                self._empty += not reasoned
+                self._empty_test.add(not reasoned)
+            else:
+                self._instant_answers += 1
+                self._unswitched += reasoned
+                self._unswitched_test.add(reasoned)
         self._judge()
         return True
 
@@ -154,24 +171,31 @@ class Probation:
 
     def _judge(self) -> None:
         refused = len(self._refusals)
+        answered = refused + self._answers + self._instant_answers
         allowed_refusals = 1 - self._validation.min_accepted_rate
         if refused > allowed_refusals * self.size:  # the window's refusal rate is already too high
             self._decide(self._too_many_refusals())
         elif self._empty_test.verdict == "abort":
             self._decide(self._too_many_empty())
+        elif self._unswitched_test.verdict == "abort":
+            self._decide(self._too_many_unswitched())
         elif self._finished >= self.size:
-            if refused / max(1, refused + self._answers) > allowed_refusals:
+            if refused / max(1, answered) > allowed_refusals:
                 self._decide(self._too_many_refusals())
             elif self._empty / max(1, self._answers) > self._validation.max_empty_reasoning_rate:
                 self._decide(self._too_many_empty())
+            elif self._unswitched / max(1, self._instant_answers) > self._validation.max_unexpected_reasoning_rate:
+                self._decide(self._too_many_unswitched())
             else:
                 self._decide(None)
-        elif (self._empty_test.verdict == "pass" and refused <= allowed_refusals * (refused + self._answers)
+        elif (self._empty_test.verdict == "pass" and self._unswitched_test.verdict == "pass"
+              and refused <= allowed_refusals * answered
               and all(endpoint in self.findings for endpoint in self._endpoints)):
             self._decide(None)
 
     def _too_many_refusals(self) -> GenerationError:
-        refused, answered = len(self._refusals), len(self._refusals) + self._answers
+        refused = len(self._refusals)
+        answered = refused + self._answers + self._instant_answers
         reason, _ = Counter(self._refusals).most_common(1)[0]
         return GenerationError(
             f"early abort: the server refused {refused} of the first {answered} requests "
@@ -185,4 +209,13 @@ class Probation:
             f"early abort: {self._empty} of the first {self._answers} records have empty reasoning ({rate:.0%} > "
             f"validation.max_empty_reasoning_rate {self._validation.max_empty_reasoning_rate:.0%}); "
             f"{why_empty(self._profile)}"
+        )
+
+    def _too_many_unswitched(self) -> GenerationError:
+        rate = self._unswitched / max(1, self._instant_answers)
+        return GenerationError(
+            f"early abort: {self._unswitched} of the first {self._instant_answers} records asked in mode "
+            f"{' or '.join(self._instant_modes)} carry reasoning ({rate:.0%} > "
+            f"validation.max_unexpected_reasoning_rate {self._validation.max_unexpected_reasoning_rate:.0%}); "
+            f"{why_unswitched(self._profile, self._instant_modes)}"
         )

@@ -18,6 +18,7 @@ from typing import IO, Any
 from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sample_id, sha256_hex
 from eagle3_datagen.config import GenerationConfig
 from eagle3_datagen.errors import UserError
+from eagle3_datagen.modes import assign_mode
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import Completion
 from eagle3_datagen.storage import RunStore
@@ -49,12 +50,19 @@ class GenerationSettings:
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
+    def mode_of(self, prompt_id: str) -> str | None:
+        """The mode a prompt is asked in; None without `generation.modes` (the default mode, not recorded, so
+        records stay as they were before mixes existed)."""
+        if self.generation.modes is None:
+            return None
+        return assign_mode(prompt_id, self.generation.mode_mix(self.profile))
+
 
 def check_settings(store: RunStore, settings: GenerationSettings) -> None:
     """Refuse to resume or extend a run whose generations were made with other settings."""
     if store.exists(SETTINGS_FILE) and store.read_json(SETTINGS_FILE)["fingerprint"] != settings.fingerprint():
         raise GenerationError(
-            f"run {store.uri} was generated with other settings (model, sampling, profile or prompt "
+            f"run {store.uri} was generated with other settings (model, sampling, modes, profile or prompt "
             f"source differ): use a new run_name, or restore the settings recorded in {SETTINGS_FILE}"
         )
 
@@ -75,6 +83,7 @@ class Prompt:
     record_id: str
     messages: list[dict[str, str]]
     seed: int | None
+    mode: str | None = None  # None: the profile's default mode, in a run without generation.modes
 
 
 def new_records(prompt: Prompt, completions: list[Completion]) -> list[dict[str, Any]]:
@@ -90,6 +99,7 @@ def new_records(prompt: Prompt, completions: list[Completion]) -> list[dict[str,
             "prompt_token_ids": done.prompt_token_ids,
             "completion_token_ids": done.completion_token_ids,
             "usage": done.usage,
+            **({"mode": prompt.mode} if prompt.mode else {}),
         }
         for k, done in enumerate(completions)
     ]

@@ -161,7 +161,7 @@ class GenerationScheduler:
     def _unanswered(self, ref: ShardRef) -> list[Prompt]:
         seed_base, done = self.settings.generation.seed, self.states[ref.index].entries
         return [Prompt(ref.index, position, prompt["id"], prompt["messages"],
-                       None if seed_base is None else seed_base + prompt["row"])
+                       None if seed_base is None else seed_base + prompt["row"], self.settings.mode_of(prompt["id"]))
                 for position, prompt in enumerate(self.store.read_shard_records(ref)) if position not in done]
 
     async def run(self, prompt_shards: list[ShardRef]) -> list[ShardRef]:
@@ -178,9 +178,10 @@ class GenerationScheduler:
         clients = [OpenAIClient(url, key, self.server.request_timeout_s, AUTO_CAP if auto else limit)
                    for url in self.server.endpoints]
         self.pool = EndpointPool([Endpoint(c.base_url, c, limit) for c in clients], self.server, self.log)
+        modes = [entry.mode for entry in self.settings.generation.mode_mix(self.settings.profile) if entry.weight]
         self.probation = Probation(min(self.validation.early_abort_after, self.total), self.server.endpoints,
                                    self.settings.model, self.settings.profile, self.validation,
-                                   self.sequence_source)
+                                   self.sequence_source, modes)
         self.started_at, cpu_at_start = time.monotonic(), time.process_time()
         helpers = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_stalls())]
         if auto:
@@ -290,7 +291,7 @@ class GenerationScheduler:
     async def _send(self, prompt: Prompt, slot: tuple[Endpoint, bool] | None) -> Outcome:
         settings = self.settings
         body = build_chat_request(settings.model, prompt.messages, settings.profile, settings.generation,
-                                  seed=prompt.seed)
+                                  seed=prompt.seed, mode=prompt.mode)
         for attempt in range(self.server.max_retries + 1):
             if slot is None:
                 slot = await self.pool.acquire()
@@ -303,10 +304,10 @@ class GenerationScheduler:
             except RequestFailed as error:
                 self.pool.release(endpoint, trial, error if error.retryable else None)
                 if not error.retryable:
-                    return Outcome(endpoint.url, refusal=str(error))
+                    return Outcome(endpoint.url, refusal=str(error), mode=prompt.mode)
                 if attempt == self.server.max_retries:
                     self.log.debug("record %s not generated after %d tries: %s", prompt.record_id, attempt + 1, error)
-                    return Outcome(endpoint.url)
+                    return Outcome(endpoint.url, mode=prompt.mode)
                 self.counts.retries += 1
                 slot = None
                 await asyncio.sleep(self.server.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5))
@@ -315,7 +316,7 @@ class GenerationScheduler:
                 self.pool.give_back(endpoint, trial)
                 raise
             self.pool.release(endpoint, trial, None)
-            return Outcome(endpoint.url, completions=completions)
+            return Outcome(endpoint.url, completions=completions, mode=prompt.mode)
         raise AssertionError("unreachable")
 
     def _remaining(self) -> int:

@@ -38,18 +38,22 @@ class TokenSequence:
     id: str
     input_ids: torch.Tensor  # [t] int32
     loss_mask: torch.Tensor  # [t] uint8
+    mode: str | None = None  # the mode its prompt was asked in; None in sequences written before modes
 
 def read_sequences(store: RunStore, ref: ShardRef, vocab_size: int) -> list[TokenSequence]:
     """The sequences shard (checksum checked), and what would break a forward pass or the index (ids, lengths,
     vocab)."""
     rel = ref.path
-    table = pq.read_table(io.BytesIO(store.read_shard(ref)), columns=["id", "input_ids", "loss_mask"])
+    data = store.read_shard(ref)
+    with_mode = "mode" in pq.read_schema(io.BytesIO(data)).names
+    table = pq.read_table(io.BytesIO(data), columns=["id", "input_ids", "loss_mask", *(["mode"] if with_mode else [])])
     ids = table.column("id").to_pylist()
+    modes = table.column("mode").to_pylist() if with_mode else [None] * len(ids)
     input_ids = _list_column(table.column("input_ids"), torch.int32)
     loss_masks = _list_column(table.column("loss_mask"), torch.uint8)
     sequences: list[TokenSequence] = []
     seen: set[str] = set()
-    for sample_id, tokens, mask in zip(ids, input_ids, loss_masks, strict=True):
+    for sample_id, tokens, mask, mode in zip(ids, input_ids, loss_masks, modes, strict=True):
         if sample_id in seen:
             raise HiddenStatesError(f"{rel}: sample id {sample_id!r} appears twice")
         if len(tokens) == 0 or len(tokens) != len(mask):
@@ -60,7 +64,7 @@ def read_sequences(store: RunStore, ref: ShardRef, vocab_size: int) -> list[Toke
                 " (tokenized for another model?)"
             )
         seen.add(sample_id)
-        sequences.append(TokenSequence(sample_id, tokens, mask))
+        sequences.append(TokenSequence(sample_id, tokens, mask, mode))
     return sequences
 
 def _list_column(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -150,6 +154,7 @@ def write_shard(
         "model": {"path": target.path, "fingerprint": target.fingerprint},
         "parts": writer.parts,
         "samples": writer.rows,
+        "sample_modes": {s.id: s.mode for s in sequences if s.id in writer.rows and s.mode is not None},
     }
     store.write_json(artifact_path("hidden_states", shard_index), index)
     return index

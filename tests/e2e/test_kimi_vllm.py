@@ -3,8 +3,9 @@ real Kimi-K2.5 vocabulary (163,840 ids) and template, run with the `kimi-k2.5` p
 
 Every sequence must be the server's ids with the template's `<think>` (163606) in the prompt, one `</think>`
 (163607) in the supervised part, the loss mask on reasoning + answer + end of turn only; multi-turn prompts keep
-earlier turns as the template renders them (their reasoning dropped, `<think></think>` in its place); and a
-profile that switches thinking off is stopped by the first answers.
+earlier turns as the template renders them (their reasoning dropped, `<think></think>` in its place); a run
+that mixes thinking and instant mode is exact in each (instant: `<think></think>` ends the prompt, no think id
+generated); and a profile that switches thinking off is stopped by the first answers.
 """
 
 from __future__ import annotations
@@ -100,3 +101,50 @@ def test_kimi_with_thinking_switched_off_is_stopped_by_its_first_answers(
         run_pipeline(config)
     assert "3 of the first 3 records have empty reasoning" in str(stopped.value)
     assert "{'thinking': False}" in str(stopped.value)
+
+
+def test_kimi_mixed_thinking_and_instant_run_is_exact_in_each_mode(
+        kimi_model: Path, kimi_server: LocalVLLMServer, tmp_path: Path) -> None:
+    """Half the prompts in instant mode (`thinking: false`): its prompt ends `<think></think>` (the template closes
+    the block), its answer carries no reasoning and no think id; each mode's text rebuild is the server's ids.
+
+    The tiny model was trained on thinking answers only: now and then it thinks in instant mode too (the parser
+    then sends reasoning), which validation counts (allowed here) and the sequences stage refuses."""
+    mix = [{"mode": "thinking", "weight": 0.5}, {"mode": "instant", "weight": 0.5}]
+    config = kimi_config(kimi_model, kimi_server, tmp_path, validation={
+        "max_unexpected_reasoning_rate": 0.5, "max_token_text_mismatch_rate": 0.5})
+    config = parse_config({**config.model_dump(mode="json"),
+                           "generation": {**config.generation.model_dump(mode="json"), "modes": mix}})
+    run_pipeline(config)
+    run = tmp_path / "kimi"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "completed", manifest.get("cause")
+    records = {json.loads(line)["id"]: json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
+               for line in f.read_text().splitlines()}
+    rows = [row for f in sorted((run / "sequences").glob("shard-*.parquet")) for row in pq.read_table(f).to_pylist()]
+    kept = {mode: sum(row["mode"] == mode for row in rows) for mode in ("thinking", "instant")}
+    assert min(kept.values()) >= 10, kept
+    for row in rows:
+        record = records[row["id"]]
+        prompt, completion = record["prompt_token_ids"], record["completion_token_ids"]
+        assert row["mode"] == record["mode"]
+        assert row["input_ids"] == prompt + completion and row["source"] == "server"
+        assert row["agrees"] is True, f"{row['id']} ({row['mode']}): the text rebuild differs at {row['first_diff']}"
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * len(completion)
+        assert completion[-1] == IM_END
+        if row["mode"] == "instant":
+            assert prompt[-2:] == [THINK, END_THINK], "the template closes the think block in instant mode"
+            assert END_THINK not in completion and THINK not in completion
+            assert record["reasoning"] == "" and record["reasoning_source"] == "none"
+        else:
+            assert prompt[-1] == THINK and completion.count(END_THINK) == 1 and record["reasoning"]
+    refused = [json.loads(line) for f in (run / "rejected").glob("sequences-*.jsonl")
+               for line in f.read_text().splitlines()]
+    for row in refused:
+        record = records[row["id"]]
+        assert record["mode"] == "instant" and record["reasoning"], "only instant answers that thought anyway"
+        assert row["reason"].startswith("reasoning in a record of mode 'instant', answered without reasoning")
+    assert len(rows) + len(refused) == len(records)
+    by_mode = {row["mode"]: row for row in manifest["modes"]}
+    assert (by_mode["thinking"]["kept"], by_mode["instant"]["kept"]) == (kept["thinking"], kept["instant"])
+    assert by_mode["instant"]["refused"] == len(refused)

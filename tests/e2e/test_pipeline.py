@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
@@ -24,6 +25,7 @@ from cli.demo import DEMO_MODEL_NAME, demo_questions
 from cli.main import main
 from cli.runner import run_pipeline
 from eagle3_datagen.config import PipelineConfig, parse_config
+from eagle3_datagen.errors import UserError
 from eagle3_datagen.testing.processes import as_from_a_terminal
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from eagle3_datagen.think_tokens import load_tokenizer
@@ -95,6 +97,42 @@ def test_every_stage_runs_and_a_second_run_is_all_cached(tiny_model: Path, serve
     assert server.log.requests == requests, "a cached run sent requests"
     assert any("work tasks cached" in line for line in second["stages"])
     assert second["totals"] == first["totals"]
+
+
+def test_a_mixed_run_records_and_reports_each_mode(tiny_model: Path, server: ScriptedServer, tmp_path: Path) -> None:
+    """Each record, sequence and hidden-state sample names its mode; the report counts each mode; other weights
+    are other settings (a resume under them is refused, naming the modes)."""
+    mix = [{"mode": "thinking", "weight": 0.6}, {"mode": "instant", "weight": 0.4}]
+    run_pipeline(config(tiny_model, server.url, tmp_path, generation__modes=mix, sequences__cross_check_rate=1.0))
+    run = tmp_path / "flow"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "completed", manifest.get("cause")
+    records = [json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
+               for line in f.read_text().splitlines()]
+    modes = {record["id"]: record["mode"] for record in records}
+    assert all(bool(r["reasoning"]) is (r["mode"] == "thinking") for r in records)
+    rows = {row["mode"]: row for row in manifest["modes"]}
+    for mode, share in (("thinking", "60%"), ("instant", "40%")):
+        count = sum(m == mode for m in modes.values())
+        assert count and (rows[mode]["records"], rows[mode]["kept"], rows[mode]["refused"]) == (count, count, 0)
+        assert rows[mode]["share asked"] == share
+    assert (rows["thinking"]["with reasoning"], rows["instant"]["with reasoning"]) == ("100.0%", "0.0%")
+    assert manifest["totals"]["reasoning coverage"] == "100.0%", "coverage is of the modes that think"
+    assert "| mode | share asked | records | kept | refused |" in (run / "report.md").read_text()
+    sequences = [row for f in sorted((run / "sequences").glob("shard-*.parquet"))
+                 for row in pq.read_table(f).to_pylist()]
+    assert {row["id"]: row["mode"] for row in sequences} == modes
+    assert all(row["agrees"] for row in sequences), "each mode's text rebuild equals the server's ids"
+    indexed = {k: v for f in run.glob("hidden_states/*/index.json") for k, v in json.loads(f.read_text())
+               ["sample_modes"].items()}
+    assert indexed == modes
+
+    other = [{"mode": "thinking", "weight": 0.5}, {"mode": "instant", "weight": 0.5}]
+    requests = server.log.requests
+    with pytest.raises(UserError, match=r"generated with other settings \(model, sampling, modes"):
+        run_pipeline(config(tiny_model, server.url, tmp_path, generation__modes=other, sequences__cross_check_rate=1.0))
+    assert server.log.requests == requests
+    assert "generated with other settings" in json.loads((run / "manifest.json").read_text())["cause"]
 
 
 def test_changing_a_later_stage_reruns_only_that_stage(tiny_model: Path, server: ScriptedServer,
@@ -420,8 +458,6 @@ def test_ctrl_c_ends_the_run_cancelled_with_one_line(tiny_model: Path, tmp_path:
 
 
 def _sequences(run: Path) -> dict[str, tuple[list[int], str]]:
-    import pyarrow.parquet as pq
-
     rows = [row for f in sorted((run / "sequences").glob("shard-*.parquet")) for row in pq.read_table(f).to_pylist()]
     return {row["id"]: (row["input_ids"], row["source"]) for row in rows}
 

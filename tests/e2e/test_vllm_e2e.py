@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
@@ -54,8 +55,6 @@ def test_the_demo_job_on_a_real_vllm_server(tiny_model: Path, vllm_server: Local
     for shard in manifest["shards"].values():
         assert shard["validation"]["rates"]["token_text_mismatch"] == 0.0, "server ids decode to the text"
         assert shard["sequences"]["text_rebuild_agreement"] >= 0.9
-    import pyarrow.parquet as pq
-
     table = pq.read_table(run / "sequences" / "shard-00000.parquet").to_pylist()
     for row in table:
         masked = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
@@ -141,3 +140,33 @@ def test_a_server_without_a_reasoning_parser_stops_the_run(tiny_model: Path, tmp
     inline = [r for r in records if r["reasoning_source"] == "inline"]
     assert len(inline) >= 0.9 * len(records), "reasoning split out of content here, and marked"
     assert all("</think>" not in r["content"] and "<think>" not in r["reasoning"] for r in inline)
+
+
+def test_a_qwen3_thinking_and_instant_mix_is_exact_in_each_mode(tiny_model: Path, vllm_server: LocalVLLMServer,
+                                                                tmp_path: Path) -> None:
+    """Instant prompts end with the template's `<think>\\n\\n</think>\\n\\n` and are answered without reasoning;
+    every kept sample of each mode is the server's ids, and its text rebuild equals them."""
+    mix = [{"mode": "thinking", "weight": 0.5}, {"mode": "instant", "weight": 0.5}]
+    config = served_config(tiny_model, vllm_server, tmp_path, sequences=EVERY_SAMPLE_CROSS_CHECKED,
+                           generation={"modes": mix}, hidden_states={"backend": "none"},
+                           validation={"max_unexpected_reasoning_rate": 0.5, "max_token_text_mismatch_rate": 0.5})
+    run_pipeline(config)
+    run = tmp_path / "demo"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "completed", manifest.get("cause")
+    tokenizer = load_tokenizer(str(tiny_model))
+    end = tokenizer.convert_tokens_to_ids("</think>")
+    prefill = tokenizer("<think>\n\n</think>\n\n", add_special_tokens=False)["input_ids"]
+    records = {json.loads(line)["id"]: json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
+               for line in f.read_text().splitlines()}
+    rows = [row for f in sorted((run / "sequences").glob("shard-*.parquet")) for row in pq.read_table(f).to_pylist()]
+    assert min(sum(row["mode"] == mode for row in rows) for mode in ("thinking", "instant")) >= 10
+    for row in rows:
+        record = records[row["id"]]
+        prompt, completion = record["prompt_token_ids"], record["completion_token_ids"]
+        assert row["mode"] == record["mode"] and row["input_ids"] == prompt + completion
+        assert row["agrees"] is True, f"{row['id']} ({row['mode']}): the text rebuild differs at {row['first_diff']}"
+        if row["mode"] == "instant":
+            assert prompt[-len(prefill):] == prefill and end not in completion and not record["reasoning"]
+        else:
+            assert completion.count(end) == 1 and record["reasoning"]

@@ -11,14 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
+from eagle3_datagen.config import GenerationConfig, SequencesConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.errors import UserError
+from eagle3_datagen.modes import ModeWeight, assign_mode
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.protocol import OpenAIClient, build_chat_request
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
+from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
 from tasks.generation import GenerationSettings, generate_async
 from tasks.health import ServerCheckFailed, check_servers_async
+from tasks.sequences import build_sequences
 
 QWEN3 = BUILTIN_PROFILES["qwen3"]
 QUESTION = "Combien font 6 × 7 ? Réponds en une phrase."
@@ -126,3 +129,46 @@ def test_unreachable_server_names_the_endpoint_and_the_fix() -> None:
     with pytest.raises(ServerCheckFailed, match=r"http://127.0.0.1:9 did not answer /health .* server.endpoints"):
         asyncio.run(check_servers_async("m", ServerConfig(endpoints=["http://127.0.0.1:9"], startup_timeout_s=1),
                                         GenerationConfig(), ValidationConfig()))
+
+
+MIX = [ModeWeight(mode="thinking", weight=0.5), ModeWeight(mode="instant", weight=0.5)]
+
+
+def _generate_mixed(url: str, tmp_path: Path, prompts: int = 24, **validation: object) -> RunStore:
+    store = RunStore(str(tmp_path), "mixed")
+    rows = [{"id": f"p{i}", "row": i, "messages": [{"role": "user", "content": f"{QUESTION} ({i})"}]}
+            for i in range(prompts)]
+    refs = [store.write_shard("prompts", 0, rows)]
+    settings = GenerationSettings("scripted-model", QWEN3, GenerationConfig(max_tokens=64, modes=MIX), "t")
+    asyncio.run(generate_async(store, refs, settings, ServerConfig(endpoints=[url], max_in_flight=4),
+                               ValidationConfig(**validation), logging.getLogger("test")))
+    return store
+
+
+def test_a_mixed_run_asks_each_prompt_in_its_mode_and_each_sequence_is_exact(tiny_model: Path,
+                                                                              tmp_path: Path) -> None:
+    """Thinking prompts are answered with reasoning, instant ones without (the switch turns it off); each record
+    names its mode, and each mode's text rebuild equals the server's ids."""
+    tokenizer = load_tokenizer(str(tiny_model))
+    with ScriptedServer(Script(tokenizer=tokenizer)) as server:
+        store = _generate_mixed(server.url, tmp_path)
+        switches = {body["messages"][-1]["content"]: body["chat_template_kwargs"] for body in server.log.bodies}
+    records = store.read_jsonl("generations/shard-00000.jsonl")
+    assert {r["mode"] for r in records} == {"thinking", "instant"}
+    for record in records:
+        assert record["mode"] == assign_mode(record["id"], MIX)
+        assert switches[record["messages"][-1]["content"]] == {"enable_thinking": record["mode"] == "thinking"}
+        assert bool(record["reasoning"]) is (record["mode"] == "thinking")
+    shard = build_sequences(records, tokenizer, QWEN3, discover_think_tokens(tokenizer, QWEN3),
+                            SequencesConfig(cross_check_rate=1.0))
+    assert shard.rejected == [] and len(shard.sequences) == len(records)
+    assert all(sequence.agrees for sequence in shard.sequences), [s.first_diff for s in shard.sequences]
+    assert [s.mode for s in shard.sequences] == [r["mode"] for r in records]
+
+
+def test_a_server_that_ignores_the_instant_switch_is_stopped_by_its_first_answers(tmp_path: Path) -> None:
+    with ScriptedServer(Script(ignore_thinking_switch=True)) as server, pytest.raises(UserError) as failure:
+        _generate_mixed(server.url, tmp_path)
+    assert "records asked in mode instant carry reasoning" in str(failure.value)
+    assert "(instant: {'enable_thinking': False}) is ignored" in str(failure.value)
+    assert not list((tmp_path / "mixed" / "generations").glob("shard-*[0-9].jsonl")), "no shard kept"

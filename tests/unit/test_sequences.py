@@ -266,3 +266,33 @@ def test_a_shard_is_built_in_chunks_that_never_split_a_prompts_samples() -> None
                                                                    ["p2:0", "p2:1", "p2:2", "p3:0", "p3:1", "p3:2"]]
     assert all({r["id"].split(":")[0] for r in chunk}.isdisjoint({r["id"].split(":")[0] for r in other})
                for i, chunk in enumerate(chunks) for other in chunks[i + 1:])
+
+
+def test_kimi_instant_mode_is_exact_with_the_templates_empty_think_block(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    """Instant mode (`thinking: false`): the prompt ends `<think></think>`, the completion is answer + end of turn,
+    with no think id of its own; the text rebuild in that mode equals the ids a server would send."""
+    enc = lambda text: kimi.encode(text, add_special_tokens=False)  # noqa: E731
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = kimi.apply_chat_template(messages, add_generation_prompt=True, thinking=False,
+                                      return_dict=True)["input_ids"]
+    assert prompt[-2:] == [THINK, END_THINK]
+    completion = [*enc("4"), IM_END]
+    served = {"prompt_token_ids": prompt, "completion_token_ids": completion,
+              "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion)}}
+    instant = _record("What is 2+2?", "", "4", mode="instant", **served)
+    thinking = {**_record("What is 2+2?", "Two plus two.", "4", mode="thinking"), "id": "s2"}
+    sequences, rejected = _build(kimi, spec, [instant, thinking])
+    assert rejected == []
+    by_mode = {sequence.mode: sequence for sequence in sequences}
+    assert by_mode["instant"].input_ids == prompt + completion and by_mode["instant"].agrees is True
+    assert by_mode["instant"].loss_mask == [0] * len(prompt) + [1] * len(completion)
+    thinking_prompt = by_mode["thinking"].input_ids[: by_mode["thinking"].loss_mask.index(1)]
+    assert thinking_prompt[-2:] == [IM_MIDDLE, THINK], "thinking keeps its own form: the model closes the block"
+    [text_only], _ = _build(kimi, spec, [{k: v for k, v in instant.items() if "token_ids" not in k}], source="text")
+    assert text_only.input_ids == prompt + completion, "the text rebuild in instant mode is the server's ids"
+
+
+def test_reasoning_in_an_instant_record_is_refused(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    _, [refused] = _build(kimi, spec, [_record("2+2?", "I think anyway.", "4", mode="instant",
+                                               usage={"prompt_tokens": 1, "completion_tokens": 1})])
+    assert refused["reason"].startswith("reasoning in a record of mode 'instant', answered without reasoning")
