@@ -34,6 +34,7 @@ from tasks.hidden_states.transformers_backend import (
     fresh_target_model,
     load_target_model,
 )
+from tasks.report import fp8_fidelity
 
 torch.set_num_threads(1)
 
@@ -386,6 +387,15 @@ def test_fp8_reads_back_in_the_model_dtype_within_its_tolerance_and_the_index_ho
     assert stats["mean"] == pytest.approx(cosine.mean().item(), abs=1e-6)
     assert stats["under_0.999"] == int((cosine < 0.999).sum())
     assert sum(p["bytes"] for p in index["parts"]) < 0.6 * index["num_tokens"] * 4 * HIDDEN * 2
+
+
+def test_the_run_report_says_what_fp8_cost_over_its_shards() -> None:
+    stats = [{"rows": 400, "min": 0.9981, "p1": 0.9993, "p50": 0.9997, "mean": 0.9996, "under_0.999": 3},
+             {"rows": 800, "min": 0.9994, "p1": 0.9995, "p50": 0.9996, "mean": 0.9996, "under_0.999": 0}]
+    shards = {f"shard-{i:05d}": {"hidden_states": {"status": "done", "fp8_cosine": stat}}
+              for i, stat in enumerate(stats)}
+    assert fp8_fidelity(shards) == "min 0.9981, p1 0.9993, p50 0.9996 (lowest shard); 3 of 1200 rows under 0.999"
+    assert fp8_fidelity({"shard-00000": {"hidden_states": {"status": "done", "compression": "zstd"}}}) is None
 
 
 def test_fp8_on_a_torch_without_float8_is_one_line_naming_the_fix() -> None:
