@@ -128,9 +128,8 @@ def encode_part(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
         if compression == "zstd":
             stored[f"{name}.zstd"] = _zstd_compress(states)
         else:
-            values, scale = _quantize_fp8(states, hidden_size)
-            stored[f"{name}.fp8"], stored[f"{name}.scale"] = values, scale
-            cosines.append(_row_cosines(states, _dequantize_fp8(values, scale, states.dtype), hidden_size))
+            stored[f"{name}.fp8"], stored[f"{name}.scale"], row_cosines = _quantize_fp8(states, hidden_size)
+            cosines.append(row_cosines)
     data = save_safetensors(stored, metadata={**metadata, "compression": compression, "encoded": json.dumps(encoded)})
     return EncodedPart(data, torch.cat([c.flatten() for c in cosines]) if cosines else None)
 
@@ -159,8 +158,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _zstd_compress(states: torch.Tensor) -> torch.Tensor:
     """The states' bytes as planes (byte k of every value together), zstd-compressed, as a uint8 tensor."""
-    planes = states.contiguous().view(torch.uint8).view(-1, states.element_size()).t().contiguous()
-    compressed = pa.Codec("zstd", compression_level=ZSTD_LEVEL).compress(planes.numpy(), asbytes=True)
+    values = states.contiguous().view(torch.uint8).numpy().reshape(-1, states.element_size())
+    compressed = pa.Codec("zstd", compression_level=ZSTD_LEVEL).compress(np.ascontiguousarray(values.T), asbytes=True)
     return torch.frombuffer(bytearray(compressed), dtype=torch.uint8)
 
 
@@ -168,42 +167,45 @@ def _zstd_decompress(compressed: torch.Tensor, dtype: torch.dtype, shape: list[i
     itemsize = torch.empty((), dtype=dtype).element_size()
     count = int(np.prod(shape))
     raw = pa.decompress(compressed.numpy(), decompressed_size=count * itemsize, codec="zstd", asbytes=False)
-    values = np.ascontiguousarray(np.frombuffer(raw, dtype=np.uint8).reshape(itemsize, count).T)
-    return torch.from_numpy(values).view(dtype).view(shape)
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(itemsize, count)
+    return torch.from_numpy(np.stack(list(planes), axis=1)).view(dtype).view(shape)
 
 
-def _quantize_fp8(states: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 e4m3 values and a float32 scale per token and layer (amax / 448): each layer's scale follows its
-    own magnitude, which grows from the low aux layer to the final state."""
-    tokens = len(states)
+def _quantize_fp8(states: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float8 e4m3 values, a float32 scale per token and layer (amax / 448), and each row's cosine to the original.
+
+    One scale per layer of a token, not one per token: each layer's scale follows its own magnitude, which grows
+    from the low aux layer to the final state. The cosine is that of what `read_part` returns (same dequantization).
+    """
+    tokens, layers = len(states), states.shape[-1] // hidden_size
     values = torch.empty(states.shape, dtype=torch.float8_e4m3fn)
-    scale = torch.empty((tokens, states.shape[-1] // hidden_size), dtype=torch.float32)
+    scale = torch.empty((tokens, layers), dtype=torch.float32)
+    cosines = torch.empty((tokens, layers), dtype=torch.float32)
     for start in range(0, tokens, FP8_BLOCK_TOKENS):
-        rows = states[start:start + FP8_BLOCK_TOKENS].float().view(-1, scale.shape[1], hidden_size)
-        block_scale = rows.abs().amax(-1) / FP8_MAX
-        divisor = torch.where(block_scale > 0, block_scale, 1.0)[..., None]
+        block = slice(start, start + FP8_BLOCK_TOKENS)
+        rows = states[block].float().view(-1, layers, hidden_size)
+        amax = rows.abs().amax(-1)
+        divisor = torch.where(amax > 0, amax / FP8_MAX, 1.0)
         # clamped: the division may round a row's amax a hair above 448, which older torch casts to NaN
-        quantized = (rows / divisor).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        values[start:start + FP8_BLOCK_TOKENS] = quantized.view(len(rows), -1)
-        scale[start:start + FP8_BLOCK_TOKENS] = block_scale
-    return values, scale
+        quantized = (rows / divisor[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        values[block], scale[block] = quantized.view(len(rows), -1), amax / FP8_MAX
+        decoded = _dequantize_rows(quantized, scale[block], states.dtype).float()
+        cosines[block] = torch.where(amax > 0, torch.nn.functional.cosine_similarity(rows, decoded, dim=-1), 1.0)
+    return values, scale, cosines
+
+
+def _dequantize_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[tokens, layers, H] float8 values times their [tokens, layers] scales, in the model dtype."""
+    return (values.float() * scale[..., None]).to(dtype)
 
 
 def _dequantize_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     states = torch.empty(values.shape, dtype=dtype)
     for start in range(0, len(values), FP8_BLOCK_TOKENS):
-        block = values[start:start + FP8_BLOCK_TOKENS]
-        rows = block.float().view(len(block), scale.shape[1], -1) * scale[start:start + FP8_BLOCK_TOKENS, :, None]
-        states[start:start + FP8_BLOCK_TOKENS] = rows.view(block.shape).to(dtype)
+        block = slice(start, start + FP8_BLOCK_TOKENS)
+        rows = values[block].view(len(values[block]), scale.shape[1], -1)
+        states[block] = _dequantize_rows(rows, scale[block], dtype).view(len(rows), -1)
     return states
-
-
-def _row_cosines(original: torch.Tensor, decoded: torch.Tensor, hidden_size: int) -> torch.Tensor:
-    """Cosine of every (token, layer) row of what readers get to the model-dtype row; 1 for an all-zero row."""
-    original_rows = original.float().view(len(original), -1, hidden_size)
-    decoded_rows = decoded.float().view(original_rows.shape)
-    cosines = torch.nn.functional.cosine_similarity(original_rows, decoded_rows, dim=-1)
-    return torch.where(original_rows.abs().amax(-1) > 0, cosines, 1.0)
 
 
 def cosine_summary(cosines: torch.Tensor) -> dict[str, Any]:
