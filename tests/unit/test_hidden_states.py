@@ -398,6 +398,16 @@ def test_the_run_report_says_what_fp8_cost_over_its_shards() -> None:
     assert fp8_fidelity({"shard-00000": {"hidden_states": {"status": "done", "compression": "zstd"}}}) is None
 
 
+def test_a_shard_of_the_format_before_compression_is_refused_by_name(bf16: TargetModel, store: RunStore) -> None:
+    """Its parts have no compression in their metadata: refused with the fix rather than guessed at."""
+    extract_with(store, bf16, "none")
+    index_rel = artifact_path("hidden_states", 0)
+    store.write_json(index_rel, {**store.read_json(index_rel), "format": "eagle3-hidden-states/2"})
+    with pytest.raises(HiddenStatesError, match=r"is 'eagle3-hidden-states/2', this version reads "
+                                                r"'eagle3-hidden-states/3': run hidden_states again"):
+        list(read_hidden_state_shard(store, index_rel))
+
+
 def test_fp8_on_a_torch_without_float8_is_one_line_naming_the_fix() -> None:
     old_torch = SimpleNamespace(__version__="2.0.1")
     fix = r"hidden_states\.compression: fp8 needs .* torch 2\.0\.1 .* use compression zstd"
