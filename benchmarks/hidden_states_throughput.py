@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -220,7 +220,7 @@ def synthetic_states(tokens: int, hidden: int, massive: float, seed: int = 0) ->
     return target, lengths, samples
 
 
-def median_seconds(work, repeats: int, at_least_s: float = 3.0) -> float:  # type: ignore[no-untyped-def]
+def median_seconds(work: Callable[[], object], repeats: int, at_least_s: float = 3.0) -> float:
     """Median time of `work`, run `repeats` times and until `at_least_s` went by: a shard of the tiny model takes
     milliseconds, which one stall of a shared machine would otherwise decide."""
     times: list[float] = []
