@@ -291,10 +291,13 @@ def ordinary_channel_cosines(original: list[Sample], decoded: list[Sample], hidd
 
 def compression_phase(tiny_model: str, tiny_tokens: int, synthetic_tokens: int, massive: float,
                       repeats: int) -> None:
+    # one thread: the cost per core; with two on a shared 2-core machine, torch's threads spin-wait for a busy
+    # core and the same tiny write takes 35 ms or 1.4 s
+    torch.set_num_threads(1)
     datasets = {"tiny model (H 64)": tiny_model_states(tiny_model, tiny_tokens),
                 f"synthetic (H 4096, massive {massive:g}x)": synthetic_states(synthetic_tokens, 4096, massive)}
-    print("\nhidden_states.compression, bf16 states; bound = 4 x H x 2 bytes per token; write: the stage's writer "
-          "with the states in memory; read: read_hidden_state_shard")
+    print("\nhidden_states.compression, bf16 states, one thread; bound = 4 x H x 2 bytes per token; write: the stage's "
+          "writer with the states in memory; read: read_hidden_state_shard")
     print(f"{'data':<34} {'setting':<5} {'tokens':>7} {'bytes/token':>12} {'bound':>6} {'ratio':>6} "
           f"{'write tok/s':>12} {'write x none':>13} {'read samples/s':>15} {'read x none':>12}")
     fidelity = []
