@@ -7,13 +7,20 @@ For each model it prints, measured in one run so the machine's noise cancels out
   - bytes per token written against the 4 x H x (dtype size) lower bound (4 x H x 2 in bf16);
   - peak RSS of a fresh process extracting shards of growing size with a fixed part size, beside its RSS once the
     model and the sequences are loaded and the peak of the bare forward pass over the same shard (the batch's own
-    activations): the stage's peak must stay near the forward's plus one part, whatever the shard size.
+    activations): the stage's peak must stay near the forward's plus one part, whatever the shard size;
+  - per hidden_states.compression (none, zstd, fp8), on bf16 states: bytes per token against the 4 x H x 2 bound,
+    the cost of writing a shard (the stage's own writer: pack, encode, checksum, write, index; states already in
+    memory) and of reading it back (`read_hidden_state_shard`, which decodes), and fp8's cosine per row (token x
+    layer) to the bf16 row, as the shard index records it.
 
 Models: the repo's tiny model ($EAGLE3_TINY_MODEL, built by `make setup`) and a random Qwen3 with hidden 1024
-and 8 layers, saved to a temporary folder. Usage:
+and 8 layers, saved to a temporary folder. The compression phase uses the tiny model's states (transformers
+backend, bf16) and synthetic states with the scales of a real LLM's residual stream, which no random model has:
+see `synthetic_states`. Usage:
 
     .venv/bin/python benchmarks/hidden_states_throughput.py [--tokens 16000] [--repeats 3] [--dtype float32]
-        [--rss-shards 32,128,384] [--rss-part-mib 16]
+        [--rss-shards 32,128,384] [--rss-part-mib 16] [--synthetic-tokens 8000] [--massive 2000]
+        [--phases throughput,rss,compression]
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -36,10 +44,12 @@ import pyarrow.parquet as pq
 import torch
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path
-from eagle3_datagen.config import HiddenStatesConfig
+from eagle3_datagen.config import Compression, HiddenStatesConfig
+from eagle3_datagen.hidden_state_format import PART_TENSORS, Sample, cosine_summary, read_hidden_state_shard
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.batching import plan_batches
-from tasks.hidden_states.parts import read_sequences
+from tasks.hidden_states.parts import TokenSequence, read_sequences, write_shard
+from tasks.hidden_states.targets import TargetInfo
 from tasks.hidden_states.transformers_backend import TargetModel, extract_shard, load_target_model
 
 
@@ -160,6 +170,159 @@ def peak_rss(model: str, samples: int, settings: HiddenStatesConfig, stage: bool
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+COMPRESSIONS: tuple[Compression, ...] = ("none", "zstd", "fp8")
+MASSIVE_CHANNELS = (17, 1401)  # where synthetic_states puts its massive activations
+
+
+def tiny_model_states(model: str, tokens: int) -> tuple[TargetInfo, list[int], list[Sample]]:
+    """The tiny model's bf16 states for a shard of reasoning-length sequences, through the transformers backend."""
+    target = load_target_model(model, "bfloat16", "cpu")
+    with tempfile.TemporaryDirectory(prefix="eagle3-bench-") as tmp:
+        store = RunStore(tmp, "run")
+        lengths = sequence_lengths(tokens)
+        extract_shard(store, write_sequences(store, lengths, target.vocab_size), target,
+                      HiddenStatesConfig(dtype="bfloat16"))
+        samples = [Sample(s.id, *(getattr(s, name).clone() for name in PART_TENSORS))
+                   for s in read_hidden_state_shard(store, artifact_path("hidden_states", 0))]
+    return target, lengths, samples
+
+
+def synthetic_states(tokens: int, hidden: int, massive: float, seed: int = 0) -> tuple[TargetInfo, list[int],
+                                                                                       list[Sample]]:
+    """bf16 states shaped like a real LLM's residual stream, which a random model's are not.
+
+    Per channel a log-normal scale (sigma 0.5); 6 outlier channels at 20-60x (the systematic outlier features of
+    LLM.int8); the stream growing with depth (x1, x2, x4, x8 from the low aux layer to the final state); and
+    massive activations: 2 fixed channels at `massive` x the row's median magnitude on every sample's first token
+    and on 2% of the others (delimiters), as Sun et al. (2024) report for LLaMA-2 and Mixtral (thousands to about
+    10,000x the median). Synthetic: the point is the scale structure fp8 must survive, not any one model's values.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    lengths = sequence_lengths(tokens, seed=seed)
+    channel_scale = torch.exp(torch.randn(hidden, generator=gen) * 0.5)
+    outliers = torch.randperm(hidden, generator=gen)[:6]
+    channel_scale[outliers] *= 20 + 40 * torch.rand(6, generator=gen)
+    depth = torch.tensor([1.0, 2.0, 4.0, 8.0])[:, None]
+    samples = []
+    for i, length in enumerate(lengths):
+        rows = torch.randn(length, 4, hidden, generator=gen) * channel_scale * depth
+        spikes = torch.rand(length, generator=gen) < 0.02
+        spikes[0] = True
+        median = rows[spikes].abs().median(-1, keepdim=True).values
+        signs = torch.where(torch.rand(2, generator=gen) < 0.5, -1.0, 1.0)
+        rows[spikes, :, MASSIVE_CHANNELS[0]: MASSIVE_CHANNELS[0] + 1] = massive * median * signs[0]
+        rows[spikes, :, MASSIVE_CHANNELS[1]: MASSIVE_CHANNELS[1] + 1] = massive * median * signs[1]
+        states = rows.to(torch.bfloat16)
+        ids = torch.randint(0, 32000, (length,), generator=gen, dtype=torch.int32)
+        mask = (torch.arange(length) >= length // 3).to(torch.uint8)
+        samples.append(Sample(f"s{i}", ids, mask, states[:, :3].reshape(length, 3 * hidden), states[:, 3].clone()))
+    target = TargetInfo("synthetic", 32, hidden, 32000, "synthetic", torch.ones(hidden), 1e-6)
+    return target, lengths, samples
+
+
+def median_seconds(work: Callable[[], object], repeats: int, at_least_s: float = 3.0) -> float:
+    """Median time of `work`, run `repeats` times and until `at_least_s` went by: a shard of the tiny model takes
+    milliseconds, which one stall of a shared machine would otherwise decide."""
+    times: list[float] = []
+    while len(times) < repeats or sum(times) < at_least_s:
+        times.append(timed(work))
+    return statistics.median(times)
+
+
+def compression_run(target: TargetInfo, lengths: list[int], samples: list[Sample], compression: Compression,
+                    repeats: int) -> tuple[dict[str, float], dict, list[Sample]]:
+    """Write the samples as a shard through the stage's writer, then read it back; median times."""
+    by_id = {sample.id: sample for sample in samples}
+
+    def replay(sequences: list[TokenSequence], aux_layers: list[int]) -> Iterator[Sample]:
+        return (by_id[sequence.id] for sequence in sequences)
+
+    settings = HiddenStatesConfig(dtype="bfloat16", compression=compression)
+    with tempfile.TemporaryDirectory(prefix="eagle3-bench-") as tmp:
+        store = RunStore(tmp, "run")
+        shard = write_sequences_of(store, samples)
+        index_rel = artifact_path("hidden_states", 0)
+        write_shard(store, shard, target, settings, replay)  # warm-up: allocator, page cache, first-call kernels
+        read_back = list(read_hidden_state_shard(store, index_rel))
+        write_s = median_seconds(lambda: write_shard(store, shard, target, settings, replay), repeats)
+        read_s = median_seconds(lambda: list(read_hidden_state_shard(store, index_rel)), repeats)
+        index = store.read_json(index_rel)
+    total = sum(lengths)
+    return {
+        "tokens": total,
+        "bytes/token": sum(part["bytes"] for part in index["parts"]) / total,
+        "bound": 4 * target.hidden_size * 2,
+        "write tok/s": total / write_s,
+        "read samples/s": len(samples) / read_s,
+    }, index, read_back
+
+
+def write_sequences_of(store: RunStore, samples: list[Sample]) -> ShardRef:
+    """The sequences shard the samples were extracted from (their ids, token ids and masks)."""
+    table = pa.table({
+        "id": pa.array([sample.id for sample in samples]),
+        "input_ids": pa.array([sample.input_ids.tolist() for sample in samples], pa.list_(pa.int32())),
+        "loss_mask": pa.array([sample.loss_mask.tolist() for sample in samples], pa.list_(pa.int8())),
+    })
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer)
+    return store.write_shard_bytes("sequences", 0, buffer.getvalue(), len(samples))
+
+
+def state_rows(sample: Sample, hidden: int) -> torch.Tensor:
+    """A sample's rows, one per token and layer: [t, 4, H] in float32."""
+    aux = sample.aux_hidden_states.view(len(sample.input_ids), 3, hidden)
+    return torch.cat([aux, sample.final_hidden_states[:, None]], 1).float()
+
+
+def ordinary_channel_cosines(original: list[Sample], decoded: list[Sample], hidden: int,
+                             massive: float) -> torch.Tensor:
+    """Cosine per row of the rows that hold massive activations, over the other channels only: what fp8 does to
+    the bulk of such a row, which the two massive channels hide from the whole row's cosine."""
+    keep = torch.ones(hidden, dtype=torch.bool)
+    keep[list(MASSIVE_CHANNELS)] = False
+    cosines = []
+    for a, b in zip(original, decoded, strict=True):
+        rows_a, rows_b = state_rows(a, hidden), state_rows(b, hidden)
+        spiked = rows_a[..., MASSIVE_CHANNELS[0]].abs() > massive / 2 * rows_a.abs().median(-1).values
+        cosines.append(torch.nn.functional.cosine_similarity(rows_a[spiked][:, keep], rows_b[spiked][:, keep], dim=-1))
+    return torch.cat(cosines)
+
+
+def compression_phase(tiny_model: str, tiny_tokens: int, synthetic_tokens: int, massive: float,
+                      repeats: int) -> None:
+    # one thread: the cost per core; with two on a shared 2-core machine, torch's threads spin-wait for a busy
+    # core and the same tiny write takes 35 ms or 1.4 s
+    torch.set_num_threads(1)
+    datasets = {"tiny model (H 64)": tiny_model_states(tiny_model, tiny_tokens),
+                f"synthetic (H 4096, massive {massive:g}x)": synthetic_states(synthetic_tokens, 4096, massive)}
+    print("\nhidden_states.compression, bf16 states, one thread; bound = 4 x H x 2 bytes per token; write: the stage's "
+          "writer with the states in memory; read: read_hidden_state_shard")
+    print(f"{'data':<34} {'setting':<5} {'tokens':>7} {'bytes/token':>12} {'bound':>6} {'ratio':>6} "
+          f"{'write tok/s':>12} {'write x none':>13} {'read samples/s':>15} {'read x none':>12}")
+    fidelity = []
+    for name, (target, lengths, samples) in datasets.items():
+        rows = {}
+        for compression in COMPRESSIONS:
+            row, index, read_back = compression_run(target, lengths, samples, compression, repeats)
+            rows[compression] = row
+            none = rows["none"]
+            print(f"{name:<34} {compression:<5} {row['tokens']:>7} {row['bytes/token']:>12.1f} {row['bound']:>6} "
+                  f"{row['bytes/token'] / row['bound']:>6.3f} {row['write tok/s']:>12,.0f} "
+                  f"{none['write tok/s'] / row['write tok/s']:>13.2f} {row['read samples/s']:>15,.1f} "
+                  f"{none['read samples/s'] / row['read samples/s']:>12.2f}")
+            if compression == "fp8":
+                fidelity.append((name, index["fp8_cosine"]))
+                if name.startswith("synthetic"):
+                    bulk = ordinary_channel_cosines(samples, read_back, target.hidden_size, massive)
+                    fidelity.append(("  its massive rows, other channels", cosine_summary(bulk)))
+    print("\nfp8: cosine per row (token x layer) to the bf16 row (from the shard index; goal >= 0.999)")
+    print(f"{'data':<34} {'rows':>7} {'min':>8} {'p1':>8} {'p50':>8} {'mean':>8} {'under 0.999':>12}")
+    for name, stats in fidelity:
+        print(f"{name:<34} {stats['rows']:>7} {stats['min']:>8.5f} {stats['p1']:>8.5f} {stats['p50']:>8.5f} "
+              f"{stats['mean']:>8.5f} {stats['under_0.999']:>12}")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child_peak_rss(sys.argv[2], int(sys.argv[3]), HiddenStatesConfig.model_validate_json(sys.argv[4]),
@@ -174,7 +337,9 @@ def main() -> None:
                         help="float32 by default: this CPU has no bf16 matrix units (bf16 runs ~7x slower)")
     parser.add_argument("--rss-shards", default="32,128,384", help="shard sizes (samples) for the RSS runs")
     parser.add_argument("--rss-part-mib", type=int, default=16, help="part size during the RSS runs")
-    parser.add_argument("--phases", default="throughput,rss", help="a subset of throughput,rss")
+    parser.add_argument("--phases", default="throughput,rss,compression", help="a subset of throughput,rss,compression")
+    parser.add_argument("--synthetic-tokens", type=int, default=8000, help="tokens of synthetic states (H 4096)")
+    parser.add_argument("--massive", type=float, default=2000, help="massive activations, x the row's median")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
@@ -200,6 +365,8 @@ def main() -> None:
                 forward = peak_rss(model, samples, rss_settings, stage=False)["peak_mib"]
                 print(f"{name:<24} {samples:>8} {row['tokens']:>8} {row['bytes'] / 2**20:>12.1f} {row['parts']:>6} "
                       f"{row['loaded_mib']:>11.0f} {forward:>18.0f} {row['peak_mib']:>15.0f}")
+    if "compression" in args.phases:
+        compression_phase(args.tiny_model, args.tokens, args.synthetic_tokens, args.massive, args.repeats)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,23 @@
 Under `hidden_states/shard-NNNNN/` the extraction stage writes:
   part-NNNNN.safetensors  input_ids [T] int32, loss_mask [T] uint8, aux_hidden_states [T, 3H] (the three aux
                           layers concatenated in order), final_hidden_states [T, H] (before the final norm),
-                          offsets [n+1] int64 (sample k is rows offsets[k]:offsets[k+1]); metadata names ids and
-                          layers.
+                          offsets [n+1] int64 (sample k is rows offsets[k]:offsets[k+1]); metadata names ids,
+                          layers and the compression.
   final_norm.safetensors  the final RMSNorm's weight [H]; its eps in the metadata and the index.
   index.json              parts with checksums, sample id -> [part, row], layer ids in both conventions, model
-                          fingerprint. Written last: its presence means the shard is complete.
+                          fingerprint, compression (and fp8's cosine to the model-dtype states). Written last: its
+                          presence means the shard is complete.
+
+Compression applies to the two state tensors only; ids, mask and offsets are always stored as they are. Under
+`zstd` a state tensor is stored as `NAME.zstd`, its bytes split into planes (every value's first byte, then every
+second byte...) and zstd-compressed: lossless; the planes compress better than the interleaved values (bf16: the
+sign-and-exponent byte is repetitive, the mantissa byte is not). Under `fp8` it is stored as `NAME.fp8`
+(float8 e4m3) and `NAME.scale` (float32, one per token and layer: amax / 448): each value comes back within 1/16
+of itself (3 mantissa bits), or within 2^-10 of its row's scale near zero, then rounded to the model dtype; the
+index records every row's cosine to the model-dtype row. The metadata `encoded` gives each state's dtype and
+shape. `read_part` returns plain tensors in the model dtype whatever the compression, so every
+reader is unchanged.
+
 The extraction stage writes it; export and verify read it, so it lives here, below the stages.
 """
 
@@ -17,20 +29,32 @@ import json
 import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as _save_safetensors
 
 from eagle3_datagen.artifacts import sha256_hex
+from eagle3_datagen.config import Compression, ConfigError
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.storage import RunStore
 
-FORMAT = "eagle3-hidden-states/2"
+FORMAT = "eagle3-hidden-states/3"  # /3: parts may be compressed (their metadata and the index say how)
 FINAL_STATE = "before_norm"
 FINAL_NORM_FILE = "final_norm.safetensors"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 PART_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states")
+STATE_TENSORS = ("aux_hidden_states", "final_hidden_states")
+# measured on bf16 states: level 1 gives 1.45-1.75x with byte planes (1.27-1.30x without); levels 3 and 9 cost
+# several times the time for a few percent
+ZSTD_LEVEL = 1
+FP8_MAX = 448.0  # the largest float8 e4m3 value
+FP8_BLOCK_TOKENS = 1024  # quantized this many tokens at a time: the float32 copies stay small beside a part
+COSINE_GOAL = 0.999
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -76,9 +100,134 @@ def final_rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
     return weight.to(states.dtype) * hidden.to(states.dtype)
 
-def encode_part(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+def check_compression(compression: Compression, torch_module: ModuleType = torch) -> None:
+    """Refuse fp8 before any work where torch has no float8 dtypes (torch < 2.1), rather than at the first part."""
+    if compression == "fp8" and not hasattr(torch_module, "float8_e4m3fn"):
+        raise ConfigError(
+            f"config key hidden_states.compression: fp8 needs float8 dtypes, which torch "
+            f"{getattr(torch_module, '__version__', '?')} lacks: install torch >= 2.1 or use compression zstd"
+        )
+
+
+@dataclass(frozen=True)
+class EncodedPart:
+    """A part's file bytes and, under fp8, each stored row's cosine to the model-dtype row (token x layer)."""
+
+    data: bytes
+    cosines: torch.Tensor | None
+
+
+def encode_part(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                compression: Compression = "none") -> EncodedPart:
     """A part's file bytes: the one place the stored encoding of a part is decided."""
-    return save_safetensors(tensors, metadata=metadata)
+    if compression == "none":
+        return EncodedPart(save_safetensors(tensors, metadata={**metadata, "compression": "none"}), None)
+    stored = {name: tensor for name, tensor in tensors.items() if name not in STATE_TENSORS}
+    encoded = {name: {"dtype": _dtype_name(tensors[name].dtype), "shape": list(tensors[name].shape)}
+               for name in STATE_TENSORS}
+    hidden_size = tensors["final_hidden_states"].shape[-1]
+    cosines: list[torch.Tensor] = []
+    for name in STATE_TENSORS:
+        states = tensors[name]
+        if compression == "zstd":
+            stored[f"{name}.zstd"] = _zstd_compress(states)
+        else:
+            stored[f"{name}.fp8"], stored[f"{name}.scale"], row_cosines = _quantize_fp8(states, hidden_size)
+            cosines.append(row_cosines)
+    data = save_safetensors(stored, metadata={**metadata, "compression": compression, "encoded": json.dumps(encoded)})
+    return EncodedPart(data, torch.cat([c.flatten() for c in cosines]) if cosines else None)
+
+
+def _decode_part(data: bytes) -> dict[str, torch.Tensor]:
+    """The plain tensors of a part's bytes, states in the model dtype whatever the compression."""
+    tensors = load_safetensors(data)
+    metadata = _safetensors_metadata(data)
+    for name, spec in json.loads(metadata.get("encoded", "{}")).items():
+        dtype, shape = DTYPES[spec["dtype"]], spec["shape"]
+        if metadata["compression"] == "zstd":
+            tensors[name] = _zstd_decompress(tensors.pop(f"{name}.zstd"), dtype, shape)
+        else:
+            tensors[name] = _dequantize_fp8(tensors.pop(f"{name}.fp8"), tensors.pop(f"{name}.scale"), dtype)
+    return tensors
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    size = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + size]).get("__metadata__", {})
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _zstd_compress(states: torch.Tensor) -> torch.Tensor:
+    """The states' bytes as planes (byte k of every value together), zstd-compressed, as a uint8 tensor."""
+    values = states.contiguous().view(torch.uint8).numpy().reshape(-1, states.element_size())
+    compressed = pa.Codec("zstd", compression_level=ZSTD_LEVEL).compress(np.ascontiguousarray(values.T), asbytes=True)
+    return torch.frombuffer(bytearray(compressed), dtype=torch.uint8)
+
+
+def _zstd_decompress(compressed: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = int(np.prod(shape))
+    raw = pa.decompress(compressed.numpy(), decompressed_size=count * itemsize, codec="zstd", asbytes=False)
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(itemsize, count)
+    return torch.from_numpy(np.stack(list(planes), axis=1)).view(dtype).view(shape)
+
+
+def _quantize_fp8(states: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float8 e4m3 values, a float32 scale per token and layer (amax / 448), and each row's cosine to the original.
+
+    One scale per layer of a token, not one per token: each layer's scale follows its own magnitude, which grows
+    from the low aux layer to the final state. The cosine is that of what `read_part` returns (same dequantization).
+    """
+    tokens, layers = len(states), states.shape[-1] // hidden_size
+    values = torch.empty(states.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty((tokens, layers), dtype=torch.float32)
+    cosines = torch.empty((tokens, layers), dtype=torch.float32)
+    for start in range(0, tokens, FP8_BLOCK_TOKENS):
+        block = slice(start, start + FP8_BLOCK_TOKENS)
+        rows = states[block].float().view(-1, layers, hidden_size)
+        amax = rows.abs().amax(-1)
+        divisor = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+        # clamped: the division may round a row's amax a hair above 448, which older torch casts to NaN
+        quantized = (rows / divisor[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        values[block], scale[block] = quantized.view(len(rows), -1), amax / FP8_MAX
+        decoded = _dequantize_rows(quantized, scale[block], states.dtype).float()
+        cosines[block] = torch.where(amax > 0, torch.nn.functional.cosine_similarity(rows, decoded, dim=-1), 1.0)
+    return values, scale, cosines
+
+
+def _dequantize_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[tokens, layers, H] float8 values times their [tokens, layers] scales, in the model dtype."""
+    return (values.float() * scale[..., None]).to(dtype)
+
+
+def _dequantize_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    states = torch.empty(values.shape, dtype=dtype)
+    for start in range(0, len(values), FP8_BLOCK_TOKENS):
+        block = slice(start, start + FP8_BLOCK_TOKENS)
+        rows = values[block].view(len(values[block]), scale.shape[1], -1)
+        states[block] = _dequantize_rows(rows, scale[block], dtype).view(len(rows), -1)
+    return states
+
+
+def cosine_summary(cosines: torch.Tensor) -> dict[str, Any]:
+    """What the index says of fp8's fidelity: the distribution over rows (token x layer) and how many miss 0.999."""
+    values = cosines.double().numpy()
+    p1, p50 = np.quantile(values, [0.01, 0.5]).tolist()
+    return {"rows": len(values), "min": float(values.min()), "p1": p1, "p50": p50, "mean": float(values.mean()),
+            f"under_{COSINE_GOAL}": int((values < COSINE_GOAL).sum())}
+
+
+def check_format(index: dict[str, Any], index_rel: str) -> None:
+    """An index of another format version or final-state convention is refused by name: its parts would be
+    misread."""
+    if index.get("format") != FORMAT or index.get("final_state") != FINAL_STATE:
+        raise HiddenStatesError(
+            f"{index_rel} is {index.get('format')!r} with its final state {index.get('final_state')!r}, this "
+            f"version reads {FORMAT!r} ({FINAL_STATE}): run hidden_states again"
+        )
 
 
 def read_part(store: RunStore, index_rel: str, part: dict) -> dict[str, torch.Tensor]:
@@ -87,12 +236,13 @@ def read_part(store: RunStore, index_rel: str, part: dict) -> dict[str, torch.Te
     data = store.read_bytes(rel)
     if len(data) != part["bytes"] or sha256_hex(data) != part["sha256"]:
         raise HiddenStatesError(f"{rel} does not match its checksum in {index_rel}: re-run hidden_states")
-    return load_safetensors(data)
+    return _decode_part(data)
 
 
 def read_hidden_state_shard(store: RunStore, index_rel: str) -> Iterator[Sample]:
     """Every sample of a finished shard, part by part, each part checked against the index."""
     index = store.read_json(index_rel)
+    check_format(index, index_rel)
     ids_by_part: dict[int, list[str]] = {}
     for sample_id, (part, _row) in sorted(index["samples"].items(), key=lambda item: item[1]):
         ids_by_part.setdefault(part, []).append(sample_id)

@@ -31,11 +31,10 @@ from torch.utils.data import IterableDataset, get_worker_info
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, shard_name
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.hidden_state_format import (
-    FINAL_STATE,
-    FORMAT,
     PART_TENSORS,
     HiddenStatesError,
     Sample,
+    check_format,
     final_rms_norm,
     read_final_norm,
     read_part,
@@ -261,9 +260,7 @@ def _shard_parts(store: RunStore, shard: int, first: dict[str, Any]) -> list[_Pa
     first shard read (`first` remembers it)."""
     index_rel = artifact_path("hidden_states", shard)
     index = store.read_json(index_rel)
-    if index.get("format") != FORMAT or index.get("final_state") != FINAL_STATE:
-        raise HiddenStatesError(f"{index_rel} is {index.get('format')!r} with its final state "
-                                f"{index.get('final_state')!r}; this version reads {FORMAT!r}: run hidden_states again")
+    check_format(index, index_rel)
     shared = {key: index[key] for key in SHARED_SETTINGS}
     first.setdefault("shard", shard)
     if first.setdefault("settings", shared) != shared:

@@ -11,6 +11,7 @@ from prefect.utilities.annotations import allow_failure
 from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement, task_runner_for
 from eagle3_datagen.fingerprints import fingerprint
+from eagle3_datagen.hidden_state_format import check_compression
 from eagle3_datagen.storage import RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
 from tasks.generation import GenerationSettings, generate, generated_shards, unfinished_shards
@@ -43,6 +44,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     """
     config = settled_output(config)
     check_task_runner(config.execution)
+    check_compression(config.hidden_states.compression)  # not hours later, after generation
     where = {"output_uri": config.output_uri, "run_name": config.run_name}
     context = start_run(config)
     prompts = load_prompts(config.data, fingerprint(config.data.source), **where)

@@ -36,7 +36,7 @@ from safetensors.torch import save as save_safetensors
 
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, sha256_hex, shard_name
 from eagle3_datagen.errors import UserError, retry_unless_user_error
-from eagle3_datagen.hidden_state_format import FORMAT, read_final_norm, read_hidden_state_shard
+from eagle3_datagen.hidden_state_format import check_format, read_final_norm, read_hidden_state_shard
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.training_reader import FINAL_STATE_FOR, Trainer, specforge_features
 
@@ -91,10 +91,7 @@ def plan_export(run_uri: str, export_format: ExportFormat, out_uri: str | None =
             )
         data = run.read_bytes(rel)
         index = json.loads(data)
-        if index.get("format") != FORMAT:
-            raise ExportError(
-                f"{rel} is {index.get('format')!r}, this version reads {FORMAT!r}: run hidden_states again"
-            )
+        check_format(index, rel)
         settings = {
             key: index[key] for key in ("aux_layers", "final_state", "hidden_size", "num_layers", "dtype", "model")
         }

@@ -277,10 +277,24 @@ def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id
                 "accepted_prompts": len({prompt_id_of(i) for i in hs["samples"]}),
                 "bytes": sum(p["bytes"] for p in hs["parts"]),
                 "layers": {k: hs[k] for k in hs if "layer" in k or k == "final_state"},
+                "compression": hs["compression"],
+                **({"fp8_cosine": hs["fp8_cosine"]} if "fp8_cosine" in hs else {}),
             }
         else:
             status["hidden_states"] = {"status": "pending"}
     return status
+
+
+def fp8_fidelity(shards: dict[str, dict[str, Any]]) -> str | None:
+    """What fp8 cost, in one line over the shards stored in fp8 (None if none is): the worst row's cosine, the
+    lowest shard p1 and median, and how many rows (token x layer) fell under the 0.999 goal."""
+    stats = [s["hidden_states"]["fp8_cosine"] for s in shards.values() if "fp8_cosine" in s.get("hidden_states", {})]
+    if not stats:
+        return None
+    under = sum(stat["under_0.999"] for stat in stats)
+    rows = sum(stat["rows"] for stat in stats)
+    return (f"min {min(stat['min'] for stat in stats):.4f}, p1 {min(stat['p1'] for stat in stats):.4f}, "
+            f"p50 {min(stat['p50'] for stat in stats):.4f} (lowest shard); {under} of {rows} rows under 0.999")
 
 
 def _final_stage(status: dict[str, Any]) -> str:
@@ -490,6 +504,8 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
         "sequence tokens": sum(s.get("sequences", {}).get("tokens", 0) for s in shards.values()),
         "hidden-state bytes": sum(s.get("hidden_states", {}).get("bytes", 0) for s in shards.values()),
     }
+    if fidelity := fp8_fidelity(shards):
+        totals["fp8 cosine to the model-dtype states"] = fidelity
     for title, png in plots.items():
         store.write_bytes(PLOT_FILES[title], png)
     report = render_report(config.run_name, store.uri, shard_rows, totals, {}, by_mode)  # the file links its plots

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import torch
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, shard_name
-from eagle3_datagen.config import HiddenStatesConfig
+from eagle3_datagen.config import Compression, HiddenStatesConfig
 from eagle3_datagen.hidden_state_format import (
     FINAL_NORM_FILE,
     FINAL_STATE,
@@ -24,6 +24,7 @@ from eagle3_datagen.hidden_state_format import (
     PART_TENSORS,
     HiddenStatesError,
     Sample,
+    cosine_summary,
     encode_part,
     save_safetensors,
 )
@@ -75,12 +76,18 @@ def _list_column(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tens
     return list(torch.split(flat, lengths))
 
 class _PartWriter:
-    """Buffers samples and writes a part as soon as it holds part_size_bytes, so a shard never sits in memory."""
+    """Buffers samples and writes a part as soon as it holds part_size_bytes, so a shard never sits in memory.
 
-    def __init__(self, store: RunStore, folder: str, part_size_bytes: int, metadata: dict[str, str]) -> None:
+    Under fp8 it keeps every stored row's cosine to the model-dtype row (4 floats per token) for the index.
+    """
+
+    def __init__(self, store: RunStore, folder: str, part_size_bytes: int, metadata: dict[str, str],
+                 compression: Compression) -> None:
         self.store, self.folder, self.part_size_bytes, self.metadata = store, folder, part_size_bytes, metadata
+        self.compression = compression
         self.parts: list[dict[str, Any]] = []
         self.rows: dict[str, list[int]] = {}
+        self.cosines: list[torch.Tensor] = []
         self._pending: list[Sample] = []
         self._pending_bytes = 0
 
@@ -102,8 +109,11 @@ class _PartWriter:
         tensors = {name: torch.cat([getattr(sample, name) for sample in samples]) for name in PART_TENSORS}
         del samples
         tensors["offsets"] = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
-        data = encode_part(tensors, {**self.metadata, "sample_ids": json.dumps(ids)})
+        encoded = encode_part(tensors, {**self.metadata, "sample_ids": json.dumps(ids)}, self.compression)
         del tensors
+        data = encoded.data
+        if encoded.cosines is not None:
+            self.cosines.append(encoded.cosines)
         name = f"part-{len(self.parts):05d}.safetensors"
         self.store.write_bytes(posixpath.join(self.folder, name), data)
         for row, sample_id in enumerate(ids):
@@ -132,6 +142,7 @@ def write_shard(
         folder,
         settings.part_size_bytes,
         {"format": FORMAT, "aux_layers": json.dumps(layer_ids), "final_state": FINAL_STATE},
+        settings.compression,
     )
     with contextlib.closing(samples(sequences, aux_layers)) as stream:  # closed now, also when add() raises
         for sample in stream:
@@ -148,6 +159,8 @@ def write_shard(
         "hidden_size": target.hidden_size,
         "num_layers": target.num_layers,
         "dtype": settings.dtype,
+        "compression": settings.compression,
+        **({"fp8_cosine": cosine_summary(torch.cat(writer.cosines))} if writer.cosines else {}),
         "aux_layers": layer_ids,
         "final_state": FINAL_STATE,
         "final_norm": {"file": FINAL_NORM_FILE, "eps": target.norm_eps, "sha256": sha256_hex(norm_file)},

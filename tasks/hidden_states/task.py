@@ -11,6 +11,7 @@ from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, worker
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig
 from eagle3_datagen.errors import retry_unless_user_error
+from eagle3_datagen.hidden_state_format import check_compression
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.targets import resolve_aux_layers, target_num_layers
 from tasks.hidden_states.transformers_backend import extract_shard, load_target_model, target_loads
@@ -37,6 +38,7 @@ def extract_hidden_states(
     `target_fingerprint` is part of the cache key: new weights at the same path extract again.
     """
     store = RunStore(output_uri, run_name)
+    check_compression(settings.compression)  # this worker's torch, before a target is loaded or asked
     if settings.backend == "vllm":
         index = extract_shard_vllm(store, sequences, load_served_target(target_model), settings)
     elif settings.backend == "transformers":

@@ -147,6 +147,28 @@ def test_changing_a_later_stage_reruns_only_that_stage(tiny_model: Path, server:
     assert "Completed" in states["build-sequences"] and "Cached" not in states["build-sequences"]
 
 
+def test_a_new_compression_extracts_again_and_the_report_says_what_fp8_cost(tiny_model: Path, server: ScriptedServer,
+                                                                            tmp_path: Path) -> None:
+    run_pipeline(config(tiny_model, server.url, tmp_path))
+    requests = server.log.requests
+    summary = run_pipeline(config(tiny_model, server.url, tmp_path, hidden_states__compression="fp8"))
+    assert server.log.requests == requests
+    states = {line.split()[1]: line for line in summary["stages"] if line.startswith("stage")}
+    assert "Cached" in states["build-sequences"]
+    assert "Completed" in states["extract-hidden-states"] and "Cached" not in states["extract-hidden-states"]
+
+    run = tmp_path / "flow"
+    manifest = json.loads((run / "manifest.json").read_text())
+    for name, shard in manifest["shards"].items():
+        index = json.loads((run / "hidden_states" / name / "index.json").read_text())
+        assert shard["hidden_states"]["compression"] == index["compression"] == "fp8"
+        assert shard["hidden_states"]["fp8_cosine"] == index["fp8_cosine"]
+    fidelity = manifest["totals"]["fp8 cosine to the model-dtype states"]
+    assert re.fullmatch(r"min 0\.99\d\d, p1 0\.99\d\d, p50 0\.99\d\d \(lowest shard\); \d+ of \d+ rows under 0\.999",
+                        fidelity)
+    assert f"| fp8 cosine to the model-dtype states | {fidelity} |" in (run / "report.md").read_text()
+
+
 def test_a_server_without_reasoning_parser_stops_the_run_at_its_first_answer(tiny_model: Path,
                                                                              tmp_path: Path) -> None:
     with ScriptedServer(Script(model=DEMO_MODEL_NAME, shape="inline", latency_s=0.05)) as inline:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
 from hidden_state_targets import AUX, HIDDEN, LAYERS, random_qwen3, random_rows, write_sequences
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 
 from cli.main import main
 from eagle3_datagen.artifacts import MANIFEST
@@ -40,7 +41,7 @@ def shard_rows(shard: int, lengths: list[int]) -> list[tuple[str, list[int], lis
 
 
 def make_run(output_uri: str, target: TargetModel, shards: dict[int, list[int]] = SHARDS,
-             dtype: str = "bfloat16") -> RunStore:
+             dtype: str = "bfloat16", compression: str = "none") -> RunStore:
     """A run whose every shard has hidden states, as the pipeline leaves it (manifest, sequences, parts)."""
     store = RunStore(output_uri, "run")
     store.write_json(
@@ -53,7 +54,8 @@ def make_run(output_uri: str, target: TargetModel, shards: dict[int, list[int]] 
     )
     for shard, lengths in shards.items():
         sequences = write_sequences(store, shard, shard_rows(shard, lengths))
-        extract_shard(store, sequences, target, HiddenStatesConfig(dtype=dtype, part_size_bytes=20_000))
+        settings = HiddenStatesConfig(dtype=dtype, part_size_bytes=20_000, compression=compression)
+        extract_shard(store, sequences, target, settings)
     return store
 
 
@@ -164,6 +166,38 @@ def test_specforge_features_are_bf16_from_a_float32_run_and_speculators_gets_tok
                 if masked:
                     expected[token] = expected.get(token, 0) + 1
     assert frequencies == expected and sum(frequencies.values()) > 0
+
+
+@pytest.mark.parametrize("export_format", ["specforge", "speculators"])
+def test_every_compression_exports_the_same_samples(tmp_path: Path, bf16: TargetModel, export_format: str) -> None:
+    """Export decodes: zstd gives the very files of an uncompressed run, fp8 the same samples, every state row
+    within cosine 0.999 of the uncompressed one (not its length to 1%: e4m3 keeps 3 mantissa bits)."""
+    files: dict[str, dict[str, bytes]] = {}
+    for compression in ("none", "zstd", "fp8"):
+        make_run(str(tmp_path / compression), bf16, compression=compression)
+        out = tmp_path / compression / "run" / "exports" / export_format
+        export_run(str(tmp_path / compression / "run"), export_format)
+        files[compression] = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*")
+                              if p.suffix in (".ckpt", ".safetensors")}  # the samples' files
+
+    assert len(files["none"]) == 9
+    assert files["zstd"] == files["none"]
+    assert files["fp8"].keys() == files["none"].keys()
+    for name, data in files["none"].items():
+        if name.endswith(".ckpt"):
+            plain = torch.load(io.BytesIO(data), weights_only=True)
+            quantized = torch.load(io.BytesIO(files["fp8"][name]), weights_only=True)
+            states = ("aux_hidden_state", "hidden_state")
+        else:
+            plain, quantized = load(data), load(files["fp8"][name])
+            states = ("hidden_states",)
+        assert plain.keys() == quantized.keys()
+        for key in plain:
+            if key in states:
+                got, expected = quantized[key].flatten(0, -2).float(), plain[key].flatten(0, -2).float()
+                assert torch.nn.functional.cosine_similarity(got, expected, dim=-1).min() >= 0.999, (name, key)
+            else:
+                assert torch.equal(quantized[key], plain[key]), (name, key)
 
 
 def test_a_second_export_redoes_only_changed_shards(tmp_path: Path, bf16: TargetModel) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,9 +13,11 @@ from hidden_state_targets import AUX, HIDDEN, LAYERS, random_qwen3, random_rows,
 from safetensors import safe_open
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
-from eagle3_datagen.config import ConfigError, HiddenStatesConfig
+from eagle3_datagen.config import ConfigError, HiddenStatesConfig, parse_config
 from eagle3_datagen.hidden_state_format import (
     HiddenStatesError,
+    Sample,
+    check_compression,
     final_rms_norm,
     read_final_norm,
     read_hidden_state_shard,
@@ -31,6 +34,7 @@ from tasks.hidden_states.transformers_backend import (
     fresh_target_model,
     load_target_model,
 )
+from tasks.report import fp8_fidelity
 
 torch.set_num_threads(1)
 
@@ -166,16 +170,20 @@ def test_shard_splits_into_parts_and_reads_back_equal(fp32: TargetModel, tmp_pat
         torch.testing.assert_close(sample.final_hidden_states, final, atol=1e-4, rtol=1e-4)
 
 
-def test_corrupted_part_is_detected(fp32: TargetModel, store: RunStore) -> None:
+@pytest.mark.parametrize("compression", ["none", "zstd", "fp8"])
+def test_corrupted_part_is_detected(fp32: TargetModel, store: RunStore, compression: str) -> None:
     shard = write_sequences(store, 0, random_rows([30, 30, 30, 30], seed=4))
-    extract_shard(store, shard, fp32, HiddenStatesConfig(dtype="float32", part_size_bytes=50_000))
+    settings = HiddenStatesConfig(dtype="float32", part_size_bytes=50_000, compression=compression)
+    extract_shard(store, shard, fp32, settings)
     index_rel = "hidden_states/shard-00000/index.json"
     assert len(list(read_hidden_state_shard(store, index_rel))) == 4
 
     part = Path(store.local_path("hidden_states/shard-00000/part-00001.safetensors"))
     data = bytearray(part.read_bytes())
     header_len = int.from_bytes(data[:8], "little")
-    start, end = json.loads(data[8 : 8 + header_len])["aux_hidden_states"]["data_offsets"]
+    header = json.loads(data[8 : 8 + header_len])
+    stored_aux = {"none": "aux_hidden_states", "zstd": "aux_hidden_states.zstd", "fp8": "aux_hidden_states.fp8"}
+    start, end = header[stored_aux[compression]]["data_offsets"]
     data[8 + header_len + (start + end) // 2] ^= 0x01  # one flipped bit in a hidden state: the file still loads
     part.write_bytes(bytes(data))
     with pytest.raises(HiddenStatesError, match=r"part-00001\.safetensors does not match its checksum"):
@@ -313,3 +321,115 @@ def test_a_part_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> None:
     (tmp_path / "part.safetensors").write_bytes(files.pop())
     with safe_open(tmp_path / "part.safetensors", "pt") as part:
         assert part.get_tensor("x").tolist() == [0.0, 1.0, 2.0, 3.0] and part.metadata()["sample_ids"] == '["é"]'
+
+
+def extract_with(store: RunStore, target: TargetModel, compression: str, shard: int = 0) -> tuple[dict, list[Sample]]:
+    """One shard of mixed lengths in several parts, extracted with `compression`, its index and samples read back."""
+    sequences = write_sequences(store, shard, random_rows([3, 40, 17, 25, 1, 33, 12], seed=9))
+    settings = HiddenStatesConfig(dtype="bfloat16", part_size_bytes=15_000, compression=compression)
+    index = extract_shard(store, sequences, target, settings)
+    return index, list(read_hidden_state_shard(store, artifact_path("hidden_states", shard)))
+
+
+@pytest.fixture(scope="module")
+def bf16(model_dir: str) -> TargetModel:
+    return load_target_model(model_dir, "bfloat16", "cpu")
+
+
+def test_zstd_reads_back_bit_exact_and_smaller(bf16: TargetModel, tmp_path: Path) -> None:
+    plain_index, plain = extract_with(RunStore(str(tmp_path), "plain"), bf16, "none")
+    index, packed = extract_with(RunStore(str(tmp_path), "zstd"), bf16, "zstd")
+
+    assert index["compression"] == "zstd" and plain_index["compression"] == "none" and "fp8_cosine" not in index
+    assert len(index["parts"]) == len(plain_index["parts"]) >= 3
+    assert sum(p["bytes"] for p in index["parts"]) < 0.9 * sum(p["bytes"] for p in plain_index["parts"])
+    assert [s.id for s in packed] == [s.id for s in plain]
+    for got, expected in zip(packed, plain, strict=True):
+        for name in ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states"):
+            a, b = getattr(got, name), getattr(expected, name)
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name  # bits, not values: -0.0 is kept
+
+
+def state_rows(sample: Sample) -> torch.Tensor:
+    """A sample's stored rows, one per token and layer: [t, 4, H] in float64."""
+    tokens = len(sample.input_ids)
+    aux = sample.aux_hidden_states.view(tokens, 3, HIDDEN)
+    return torch.cat([aux, sample.final_hidden_states[:, None]], 1).double()
+
+
+def test_fp8_reads_back_in_the_model_dtype_within_its_tolerance_and_the_index_holds_its_cosines(
+        bf16: TargetModel, tmp_path: Path) -> None:
+    _, plain = extract_with(RunStore(str(tmp_path), "plain"), bf16, "none")
+    index, quantized = extract_with(RunStore(str(tmp_path), "fp8"), bf16, "fp8")
+
+    assert index["compression"] == "fp8"
+    cosines = []
+    for got, expected in zip(quantized, plain, strict=True):
+        assert got.id == expected.id
+        assert torch.equal(got.input_ids, expected.input_ids) and torch.equal(got.loss_mask, expected.loss_mask)
+        assert got.aux_hidden_states.dtype == got.final_hidden_states.dtype == torch.bfloat16
+        decoded, original = state_rows(got), state_rows(expected)
+        # e4m3 keeps 3 mantissa bits (within 1/16 of a value), steps of 2^-9 of the row's scale near zero, and
+        # the value is rounded to bf16 again (1/256)
+        scale = original.abs().amax(-1, keepdim=True) / 448
+        assert ((decoded - original).abs() <= original.abs() * (1 / 16 + 1 / 256) + scale / 1024 * 1.01).all()
+        assert not torch.equal(decoded, original)
+        dot = (decoded * original).sum(-1)
+        cosines.append((dot / (decoded.norm(dim=-1) * original.norm(dim=-1))).flatten())
+    cosine = torch.cat(cosines)
+
+    stats = index["fp8_cosine"]
+    assert stats["rows"] == len(cosine) == 4 * index["num_tokens"]
+    assert stats["min"] == pytest.approx(cosine.min().item(), abs=1e-6)
+    assert stats["p1"] == pytest.approx(torch.quantile(cosine, 0.01).item(), abs=1e-6)
+    assert stats["p50"] == pytest.approx(torch.quantile(cosine, 0.5).item(), abs=1e-6)
+    assert stats["mean"] == pytest.approx(cosine.mean().item(), abs=1e-6)
+    assert stats["under_0.999"] == int((cosine < 0.999).sum())
+    assert sum(p["bytes"] for p in index["parts"]) < 0.6 * index["num_tokens"] * 4 * HIDDEN * 2
+
+
+def test_the_run_report_says_what_fp8_cost_over_its_shards() -> None:
+    stats = [{"rows": 400, "min": 0.9981, "p1": 0.9993, "p50": 0.9997, "mean": 0.9996, "under_0.999": 3},
+             {"rows": 800, "min": 0.9994, "p1": 0.9995, "p50": 0.9996, "mean": 0.9996, "under_0.999": 0}]
+    shards = {f"shard-{i:05d}": {"hidden_states": {"status": "done", "fp8_cosine": stat}}
+              for i, stat in enumerate(stats)}
+    assert fp8_fidelity(shards) == "min 0.9981, p1 0.9993, p50 0.9996 (lowest shard); 3 of 1200 rows under 0.999"
+    assert fp8_fidelity({"shard-00000": {"hidden_states": {"status": "done", "compression": "zstd"}}}) is None
+
+
+def test_a_shard_of_the_format_before_compression_is_refused_by_name(bf16: TargetModel, store: RunStore) -> None:
+    """Its parts have no compression in their metadata: refused with the fix rather than guessed at."""
+    extract_with(store, bf16, "none")
+    index_rel = artifact_path("hidden_states", 0)
+    store.write_json(index_rel, {**store.read_json(index_rel), "format": "eagle3-hidden-states/2"})
+    with pytest.raises(HiddenStatesError, match=r"is 'eagle3-hidden-states/2' with its final state 'before_norm', "
+                                                r"this version reads 'eagle3-hidden-states/3' \(before_norm\): run "
+                                                r"hidden_states again"):
+        list(read_hidden_state_shard(store, index_rel))
+
+
+def test_fp8_on_a_torch_without_float8_is_one_line_naming_the_fix() -> None:
+    old_torch = SimpleNamespace(__version__="2.0.1")
+    fix = r"hidden_states\.compression: fp8 needs .* torch 2\.0\.1 .* use compression zstd"
+    with pytest.raises(ConfigError, match=fix) as error:
+        check_compression("fp8", old_torch)
+    assert "\n" not in str(error.value)
+    check_compression("zstd", old_torch)
+    check_compression("fp8")  # this torch has float8
+
+
+def test_an_unknown_compression_is_one_config_line() -> None:
+    tree = {"run_name": "r", "data": {"source": "d.jsonl"},
+            "model": {"name": "m", "profile": "qwen3", "tokenizer": "t"}, "hidden_states": {"compression": "gzip"}}
+    with pytest.raises(ConfigError) as error:
+        parse_config(tree)
+    assert str(error.value) == "config key hidden_states.compression: Input should be 'none', 'zstd' or 'fp8'"
+
+
+def test_changing_the_compression_changes_the_cache_key() -> None:
+    """A cached shard of another compression must not be handed on as if it were this one."""
+    key = {compression: extract_hidden_states.cache_policy.compute_key(
+        task_ctx=None, inputs={"settings": HiddenStatesConfig(compression=compression), "run_name": "run"},
+        flow_parameters={}) for compression in ("none", "zstd", "fp8")}
+    assert len(set(key.values())) == 3
