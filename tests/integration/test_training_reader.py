@@ -32,7 +32,7 @@ TARGET = TargetInfo(path="random", num_layers=LAYERS, hidden_size=HIDDEN, vocab_
 Key = tuple[int, ...]
 
 
-def write_hidden_shard(store: RunStore, shard: int, lengths: list[int]) -> None:
+def write_hidden_shard(store: RunStore, shard: int, lengths: list[int], compression: str = "none") -> None:
     """One shard's sequences and hidden states (seeded random states), packed by the extraction stage's writer."""
     rows = [(f"{shard}-{k}", *row[1:]) for k, row in enumerate(random_rows(lengths, seed=shard))]
     sequences_ref = write_sequences(store, shard, rows)
@@ -45,7 +45,8 @@ def write_hidden_shard(store: RunStore, shard: int, lengths: list[int]) -> None:
             final = torch.randn(tokens, HIDDEN, generator=states).to(torch.bfloat16)
             yield Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final)
 
-    write_shard(store, sequences_ref, TARGET, HiddenStatesConfig(part_size_bytes=4096), samples)
+    settings = HiddenStatesConfig(part_size_bytes=4096, compression=compression)
+    write_shard(store, sequences_ref, TARGET, settings, samples)
 
 
 def write_manifest(store: RunStore, status: str, cause: str | None = None) -> None:
@@ -53,11 +54,12 @@ def write_manifest(store: RunStore, status: str, cause: str | None = None) -> No
                                 **({"cause": cause} if cause else {})})
 
 
-def make_run(root: Path, shards: dict[int, list[int]] = SHARDS, status: str = "completed") -> str:
+def make_run(root: Path, shards: dict[int, list[int]] = SHARDS, status: str = "completed",
+             compression: str = "none") -> str:
     store = RunStore(str(root), "run")
     write_manifest(store, "running")
     for shard, lengths in shards.items():
-        write_hidden_shard(store, shard, lengths)
+        write_hidden_shard(store, shard, lengths, compression)
     write_manifest(store, status)
     return store.uri
 
@@ -86,6 +88,19 @@ def test_every_sample_once_shuffled_across_parts_by_seed_and_epoch(tmp_path: Pat
     assert order(seed=2) != first and order(seed=1, epoch=1) != first
     shard_of = {key: shard for shard in SHARDS for key in all_keys({shard: SHARDS[shard]})}
     assert [shard_of[k] for k in first] != sorted(shard_of[k] for k in first), "shards are interleaved"
+
+
+@pytest.mark.parametrize("trainer", ["specforge", "speculators"])
+def test_a_compressed_run_reads_as_the_same_samples(tmp_path: Path, trainer: str) -> None:
+    """zstd is lossless: the trainer sees the uncompressed run's samples, bit for bit, in the same order."""
+    plain = list(TrainingReader(make_run(tmp_path / "none"), trainer, seed=3))  # type: ignore[arg-type]
+    zstd_run = make_run(tmp_path / "zstd", compression="zstd")
+    assert RunStore.at(zstd_run).read_json("hidden_states/shard-00000/index.json")["compression"] == "zstd"
+    packed = list(TrainingReader(zstd_run, trainer, seed=3))  # type: ignore[arg-type]
+    assert len(packed) == len(plain) == len(all_keys())
+    for ours, theirs in zip(packed, plain, strict=True):
+        assert ours.keys() == theirs.keys()
+        assert all(ours[name].dtype == theirs[name].dtype and torch.equal(ours[name], theirs[name]) for name in ours)
 
 
 def test_dataloader_workers_and_ranks_share_out_every_sample_exactly_once(tmp_path: Path) -> None:
