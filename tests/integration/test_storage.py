@@ -16,33 +16,6 @@ from eagle3_datagen.storage import RunStore, StoragePathError
 REPO = Path(__file__).resolve().parents[2]
 
 
-CEPH: dict[str, Path] = {}
-
-
-@pytest.fixture(scope="session")
-def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real S3 server: a one-node Ceph cluster with a RADOS Gateway (infra/ceph-rgw), credentials in env."""
-    folder = CEPH["folder"] = tmp_path_factory.mktemp("ceph")
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "eagle3test", "AWS_SECRET_ACCESS_KEY": "eagle3testsecret"}
-    started = subprocess.run(["bash", str(REPO / "infra/ceph-rgw/start.sh"), str(folder), "7481"], env=env,
-                             capture_output=True, text=True, timeout=180)
-    try:
-        assert started.returncode == 0, f"Ceph RGW did not start: {started.stderr[-2000:]}"
-        endpoint = started.stdout.strip().splitlines()[-1]
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setenv("AWS_ACCESS_KEY_ID", "eagle3test")
-            patch.setenv("AWS_SECRET_ACCESS_KEY", "eagle3testsecret")
-            patch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
-            patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-            import s3fs
-
-            s3fs.S3FileSystem.clear_instance_cache()
-            s3fs.S3FileSystem().mkdir("eagle3-test")
-            yield endpoint
-    finally:
-        subprocess.run(["bash", str(REPO / "infra/ceph-rgw/stop.sh"), str(folder)], check=False, timeout=60)
-
-
 @pytest.fixture(params=["local", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> RunStore:
     if request.param == "local":
@@ -151,14 +124,15 @@ def counted_s3_reads() -> Iterator[dict[str, int]]:
         yield counts
 
 
-def test_a_restarted_s3_gateway_costs_a_retry_not_an_artifact(s3_endpoint: str, tmp_path: Path) -> None:
+def test_a_restarted_s3_gateway_costs_a_retry_not_an_artifact(s3_endpoint: str, ceph_folder: Path,
+                                                              tmp_path: Path) -> None:
     """The gateway goes down mid-run and comes back: writes wait for it, nothing already written is lost."""
     import threading
     import time
 
     store = RunStore(f"s3://eagle3-test/{tmp_path.name}", "run")
     store.write_json("manifest.json", {"written": "before the outage"})
-    conf = CEPH["folder"] / "ceph.conf"
+    conf = ceph_folder / "ceph.conf"
     subprocess.run(["pkill", "-f", f"radosgw -n client.rgw.a -c {conf}"], check=False)
     time.sleep(1)
     import httpx

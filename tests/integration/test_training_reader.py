@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 from hidden_state_targets import HIDDEN, LAYERS, random_rows, write_sequences
-from test_storage import s3_endpoint  # noqa: F401  (the S3 server the s3 case needs)
 from torch.utils.data import DataLoader
 
 from eagle3_datagen.artifacts import MANIFEST
