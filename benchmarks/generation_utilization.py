@@ -57,10 +57,14 @@ LOG = logging.getLogger("benchmark")
 
 
 class Servers:
-    """Scripted servers as subprocesses on free loopback ports; terminated on exit whatever happened."""
+    """Scripted servers as subprocesses on free loopback ports; terminated on exit whatever happened.
 
-    def __init__(self, scripts: list[Script]) -> None:
+    With a `tokenizer` folder their token ids are real encodings of the text, as the run's validation requires.
+    """
+
+    def __init__(self, scripts: list[Script], tokenizer: str | None = None) -> None:
         self.scripts = scripts
+        self.tokenizer = tokenizer
         self.procs: list[subprocess.Popen[str]] = []
         self.urls: list[str] = []
 
@@ -72,7 +76,8 @@ class Servers:
                      "--latency-s", repr(script.latency_s), "--latency-sigma", repr(script.latency_sigma),
                      "--tail-rate", repr(script.tail_rate), "--tail-factor", repr(script.tail_factor),
                      "--seed", str(script.seed), "--model", script.model,
-                     *(["--max-running", str(script.max_running)] if script.max_running else [])],
+                     *(["--max-running", str(script.max_running)] if script.max_running else []),
+                     *(["--tokenizer", self.tokenizer] if self.tokenizer else [])],
                     stdout=subprocess.PIPE, text=True))
             for proc in self.procs:
                 assert proc.stdout is not None
@@ -317,7 +322,7 @@ def cli_run(args: argparse.Namespace, median_s: float, seed: int, dataset: str, 
         "hidden_states": {"backend": "none"},
     }
     script = Script(latency_s=median_s, latency_sigma=args.cli_sigma, seed=seed)
-    with Servers([script]) as servers:
+    with Servers([script], tokenizer=args.tokenizer) as servers:
         config["server"]["endpoints"] = servers.urls  # type: ignore[index]
         path = f"{tmp}/{name}.yaml"
         with open(path, "w", encoding="utf-8") as out:
