@@ -239,22 +239,33 @@ def read_part(store: RunStore, index_rel: str, part: dict) -> dict[str, torch.Te
     return _decode_part(data)
 
 
+def sample_ids_by_part(index: dict[str, Any]) -> dict[int, list[str]]:
+    """Each part's sample ids, in row order, from a shard's index."""
+    ids: dict[int, list[str]] = {}
+    for sample_id, (part, _row) in sorted(index["samples"].items(), key=lambda item: item[1]):
+        ids.setdefault(part, []).append(sample_id)
+    return ids
+
+
+def read_part_samples(store: RunStore, index_rel: str, part: dict, ids: list[str]) -> list[Sample]:
+    """A part's samples in row order (views of its tensors), the part checked against the index first."""
+    tensors = read_part(store, index_rel, part)
+    offsets = tensors["offsets"].tolist()
+    if len(offsets) != len(ids) + 1 or offsets[0] != 0 or offsets[-1] != part["num_tokens"]:
+        rel = posixpath.join(posixpath.dirname(index_rel), part["file"])
+        raise HiddenStatesError(f"{rel}: offsets do not match the {len(ids)} samples listed in {index_rel}: "
+                                "re-run hidden_states")
+    return [Sample(sample_id, *(tensors[name][start:end] for name in PART_TENSORS))
+            for sample_id, start, end in zip(ids, offsets[:-1], offsets[1:], strict=True)]
+
+
 def read_hidden_state_shard(store: RunStore, index_rel: str) -> Iterator[Sample]:
     """Every sample of a finished shard, part by part, each part checked against the index."""
     index = store.read_json(index_rel)
     check_format(index, index_rel)
-    ids_by_part: dict[int, list[str]] = {}
-    for sample_id, (part, _row) in sorted(index["samples"].items(), key=lambda item: item[1]):
-        ids_by_part.setdefault(part, []).append(sample_id)
-    for part_number, part in enumerate(index["parts"]):
-        tensors = read_part(store, index_rel, part)
-        offsets = tensors["offsets"].tolist()
-        ids = ids_by_part.get(part_number, [])
-        if len(offsets) != len(ids) + 1 or offsets[0] != 0 or offsets[-1] != part["num_tokens"]:
-            rel = posixpath.join(posixpath.dirname(index_rel), part["file"])
-            raise HiddenStatesError(f"{rel}: offsets do not match the {len(ids)} samples listed in {index_rel}")
-        for sample_id, start, end in zip(ids, offsets[:-1], offsets[1:], strict=True):
-            yield Sample(sample_id, *(tensors[name][start:end] for name in PART_TENSORS))
+    ids = sample_ids_by_part(index)
+    for number, part in enumerate(index["parts"]):
+        yield from read_part_samples(store, index_rel, part, ids.get(number, []))
 
 def read_final_norm(store: RunStore, index_rel: str) -> tuple[torch.Tensor, float]:
     """The final norm's weight and eps stored beside a shard's parts, checked against the index."""

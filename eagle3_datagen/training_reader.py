@@ -37,7 +37,8 @@ from eagle3_datagen.hidden_state_format import (
     check_format,
     final_rms_norm,
     read_final_norm,
-    read_part,
+    read_part_samples,
+    sample_ids_by_part,
 )
 from eagle3_datagen.storage import RunStore
 
@@ -224,23 +225,15 @@ class TrainingReader(IterableDataset):
     def _samples(self, store: RunStore, part: _Part, order: random.Random,
                  norms: dict[str, tuple[torch.Tensor, float]]) -> Iterator[dict[str, torch.Tensor]]:
         """A part's samples in shuffled order, the part checked whole first (`norms`: final norms loaded so far)."""
-        tensors = read_part(store, part.index_rel, part.entry)
-        offsets = tensors["offsets"].tolist()
-        if len(offsets) != len(part.ids) + 1 or offsets[0] != 0 or offsets[-1] != part.entry["num_tokens"]:
-            rel = posixpath.join(posixpath.dirname(part.index_rel), part.entry["file"])
-            raise HiddenStatesError(f"{rel}: offsets do not match the {len(part.ids)} samples listed in "
-                                    f"{part.index_rel}: re-run hidden_states")
+        samples = read_part_samples(store, part.index_rel, part.entry, part.ids)
         if self.trainer == "specforge" and part.final_norm not in norms:
             norms[part.final_norm] = read_final_norm(store, part.index_rel)
-        rows = list(range(len(part.ids)))
-        order.shuffle(rows)
-        for row in rows:
-            start, end = offsets[row], offsets[row + 1]
+        order.shuffle(samples)
+        for sample in samples:
             if self.trainer == "speculators":
-                yield speculators_sample(Sample(part.ids[row], *(tensors[name][start:end] for name in PART_TENSORS)))
+                yield speculators_sample(sample)
             else:
-                end = min(end, start + self.max_len)
-                cut = Sample(part.ids[row], *(tensors[name][start:end] for name in PART_TENSORS))
+                cut = Sample(sample.id, *(getattr(sample, name)[:self.max_len] for name in PART_TENSORS))
                 yield specforge_sample(cut, *norms[part.final_norm])
 
 
@@ -266,9 +259,7 @@ def _shard_parts(store: RunStore, shard: int, first: dict[str, Any]) -> list[_Pa
     if first.setdefault("settings", shared) != shared:
         raise HiddenStatesError(f"{index_rel} was extracted with other settings than {shard_name(first['shard'])}: "
                                 "run hidden_states again")
-    ids: dict[int, list[str]] = {}
-    for sample_id, (number, _row) in sorted(index["samples"].items(), key=lambda item: item[1]):
-        ids.setdefault(number, []).append(sample_id)
+    ids = sample_ids_by_part(index)
     final_norm = (index.get("final_norm") or {}).get("sha256", index_rel)  # read_final_norm says what is missing
     return [_Part(index_rel, shard, number, entry, ids.get(number, []), final_norm)
             for number, entry in enumerate(index["parts"])]

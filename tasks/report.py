@@ -218,13 +218,11 @@ def _sequences_summary(data: bytes) -> dict[str, Any]:
     }
 
 
-def _rejected_count(store: RunStore, path: str) -> int:
-    return len(store.read_jsonl(path)) if store.exists(path) else 0
-
-
-def _rejected_by_mode(store: RunStore, path: str, mode_of: Callable[[str], str]) -> dict[str, int]:
-    """Refused prompts or samples per mode: a prompt's mode is a function of its id, so a refusal needs no record."""
-    return dict(Counter(mode_of(row["id"]) for row in store.read_jsonl(path))) if store.exists(path) else {}
+def _rejected(store: RunStore, path: str, mode_of: Callable[[str], str]) -> dict[str, Any]:
+    """Refused prompts or samples, in all and per mode: a prompt's mode is a function of its id, so a refusal
+    needs no record."""
+    by_mode = Counter(mode_of(row["id"]) for row in store.read_jsonl(path)) if store.exists(path) else Counter()
+    return {"rejected": by_mode.total(), "rejected_by_mode": dict(by_mode)}
 
 
 def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id: int, profile: ModelProfile,
@@ -242,8 +240,7 @@ def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id
     summary = _summarized(store, generations, f"report_by_mode_think_end_{end_id}",
                           lambda data: _generations_summary(data, end_id, profile))
     status["generations"] = {"status": "done", **summary,
-                             "rejected": _rejected_count(store, rejected_path("generations", index)),
-                             "rejected_by_mode": _rejected_by_mode(store, rejected_path("generations", index), mode_of)}
+                             **_rejected(store, rejected_path("generations", index), mode_of)}
     validation = artifact_path("validation", index)
     if not store.exists(validation):
         status["validation"] = {"status": "pending"}
@@ -263,8 +260,7 @@ def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id
             status["sequences"] = {"status": "failed", "reasons": [f"{count} samples refused: {reason}"]}
         return status
     status["sequences"] = {"status": "done", **_summarized(store, sequences, "report_by_mode", _sequences_summary),
-                           "rejected": _rejected_count(store, seq_rejected),
-                           "rejected_by_mode": _rejected_by_mode(store, seq_rejected, mode_of)}
+                           **_rejected(store, seq_rejected, mode_of)}
     if hidden_states:
         index_path = artifact_path("hidden_states", index)
         if store.exists(index_path):

@@ -46,7 +46,7 @@ class ShardValidation:
     reasons: list[str] = field(default_factory=list)
     unexpected_reasoning: int = 0  # records of a mode answered without reasoning (instant) that carry some
     records_by_mode: dict[str, int] = field(default_factory=dict)
-    thinking_records: int | None = None  # records of modes that think; None: all of them
+    thinking_records: int = 0  # records of modes that think (the reasoning checks' own denominators)
 
     def rate(self, count: int, of: int | None = None) -> float:
         of = self.records if of is None else of
@@ -54,8 +54,8 @@ class ShardValidation:
 
     def rate_of(self, name: str) -> float:
         """A check's rate over the records it applies to: reasoning checks over their own modes' records."""
-        thinking = self.records if self.thinking_records is None else self.thinking_records
-        of = {"empty_reasoning": thinking, "unexpected_reasoning": self.records - thinking}.get(name, self.records)
+        of = {"empty_reasoning": self.thinking_records,
+              "unexpected_reasoning": self.records - self.thinking_records}.get(name, self.records)
         return self.rate(getattr(self, name), of)
 
     def as_dict(self) -> dict[str, Any]:
