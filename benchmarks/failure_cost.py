@@ -11,7 +11,6 @@ For each: requests sent, seconds until the stage ended, warnings logged, how it 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import tempfile
 import threading
@@ -21,7 +20,7 @@ from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConf
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
-from tasks.generation import GenerationError, GenerationSettings, generate_async
+from tasks.generation import GenerationError, GenerationSettings, generate_shards
 
 
 class _Count(logging.Handler):
@@ -54,7 +53,7 @@ def _run(prompts: int, script: Script, server_config: dict[str, object], kill_af
         settings = GenerationSettings("scripted-model", BUILTIN_PROFILES["qwen3"], GenerationConfig(max_tokens=64), "b")
         started = time.monotonic()
         try:
-            asyncio.run(generate_async(store, refs, settings, config, ValidationConfig(), log))
+            generate_shards(store, refs, settings, config, ValidationConfig(), log)
             ended = "completed"
         except GenerationError as error:
             ended = str(error)[:150]

@@ -49,7 +49,7 @@ from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.protocol import OpenAIClient, build_chat_request
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, scripted_latency
-from tasks.generation import GenerationSettings, generate_async
+from tasks.generation import GenerationSettings, generate_shards
 
 PROBATION = 1  # ValidationConfig.early_abort_after: the smallest window (the first request runs alone)
 SETTINGS = GenerationSettings("scripted-model", BUILTIN_PROFILES["qwen3"], GenerationConfig(max_tokens=64), "bench")
@@ -113,7 +113,7 @@ class Sim:
 
 
 def simulate(draws: list[list[float]], budget: int, batches: list[int]) -> Sim:
-    """The run time of a client with zero overhead that follows generate_async's policy on the same latencies.
+    """The run time of a client with zero overhead that follows generate_shards' policy on the same latencies.
 
     Each batch (all shards when shared, one shard otherwise) starts with the probation request alone, then
     every free slot is refilled at once, to the endpoint with the most free slots (ties: the first), which is
@@ -171,10 +171,9 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_generation(store: RunStore, refs: list[ShardRef], urls: list[str], budget: int, timeout_s: float) -> None:
+def run_generation(store: RunStore, refs: list[ShardRef], urls: list[str], budget: int) -> None:
     server = ServerConfig(endpoints=urls, max_in_flight=budget)
-    run = generate_async(store, refs, SETTINGS, server, ValidationConfig(early_abort_after=PROBATION), LOG)
-    asyncio.run(asyncio.wait_for(run, timeout_s))
+    generate_shards(store, refs, SETTINGS, server, ValidationConfig(early_abort_after=PROBATION), LOG)
 
 
 def utilization(stats: list[dict[str, Any]], budget: int) -> tuple[list[float], float, list[float], float]:
@@ -214,7 +213,7 @@ def shared_phase(args: argparse.Namespace, scripts: list[Script], draws: list[li
         store = RunStore(tmp, "shared")
         refs = write_prompts(store, args.requests, args.shard_size)
         t0, c0, idle = time.monotonic(), cpu_s(), servers.stats()
-        run_generation(store, refs, servers.urls, args.budget, args.max_run_s)
+        run_generation(store, refs, servers.urls, args.budget)
         wall, client_cpu = time.monotonic() - t0, cpu_s() - c0
         stats = servers.stats()
     served = check_draws(stats, draws, args.requests)
@@ -244,7 +243,7 @@ def per_shard_phase(args: argparse.Namespace, scripts: list[Script], draws: list
         bounds, before = [], [0] * args.endpoints
         t0 = time.monotonic()
         for ref in refs:
-            run_generation(store, [ref], servers.urls, args.budget, args.max_run_s - (time.monotonic() - t0))
+            run_generation(store, [ref], servers.urls, args.budget)
             after = [s["requests"] for s in servers.stats()]
             served = [x for e, d in enumerate(draws) for x in d[before[e]:after[e]]]
             bounds.append(lower_bound(served, args.budget * args.endpoints))
@@ -269,7 +268,7 @@ def cpu_phase(args: argparse.Namespace, tmp: str) -> None:
         store = RunStore(tmp, "cpu")
         refs = write_prompts(store, args.cpu_requests, args.shard_size)
         t0, c0, idle = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF), servers.stats()
-        run_generation(store, refs, servers.urls, args.budget, args.max_run_s)
+        run_generation(store, refs, servers.urls, args.budget)
         wall, c1, stats = time.monotonic() - t0, resource.getrusage(resource.RUSAGE_SELF), servers.stats()
     user, system, n = c1.ru_utime - c0.ru_utime, c1.ru_stime - c0.ru_stime, args.cpu_requests
     print(f"  client CPU {(user + system) / n * 1e3:.2f} ms/request (user {user / n * 1e3:.2f}, system "
@@ -285,7 +284,7 @@ def profile_phase(args: argparse.Namespace, tmp: str) -> None:
         store = RunStore(tmp, "profile")
         refs = write_prompts(store, args.profile, args.shard_size)
         profiler = cProfile.Profile(time.process_time)
-        profiler.runcall(run_generation, store, refs, servers.urls, args.budget, args.max_run_s)
+        profiler.runcall(run_generation, store, refs, servers.urls, args.budget)
     pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(15)
 
 
@@ -439,7 +438,7 @@ def auto_phase(args: argparse.Namespace, tmp: str) -> None:
         refs = write_prompts(store, requests, args.shard_size, topic=name)
         config = ServerConfig(endpoints=[server.url], max_in_flight=budget)
         began = time.monotonic()
-        out = asyncio.run(generate_async(store, refs, settings, config, ValidationConfig(), LOG))
+        out = generate_shards(store, refs, settings, config, ValidationConfig(), LOG)
         wall = time.monotonic() - began
         return sum(int(r["usage"]["completion_tokens"]) for ref in out for r in store.read_jsonl(ref.path)) / wall
 
@@ -487,7 +486,7 @@ def main() -> None:
                         help="tokenizer of the end-to-end runs (the tiny model's)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="then N zero-latency requests under cProfile: the client's hottest functions")
-    parser.add_argument("--max-run-s", type=float, default=900.0, help="abort a phase that runs longer")
+    parser.add_argument("--max-run-s", type=float, default=900.0, help="abort an end-to-end run that takes longer")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # each figure as soon as measured
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers are terminated
@@ -507,7 +506,7 @@ def main() -> None:
                   f"endpoint × {args.endpoints} endpoints = {args.budget * args.endpoints} in flight; latency median "
                   f"{args.median_s}s, log-normal sigma {args.sigma}, {args.tail_rate:.2%} take {args.tail_factor:g}× "
                   "the median")
-            print(f"probation: early_abort_after={PROBATION}: each generate_async call sends its first request alone "
+            print(f"probation: early_abort_after={PROBATION}: each generate_shards call sends its first request alone "
                   "and waits for it; included in every measured figure and in the simulated ideal client")
             print("ideal time: lower bound = max(sum of the latencies served ÷ slots, longest latency) (no schedule "
                   "beats it);\n  ideal client = zero-overhead simulation of the same policy on the same latencies (the "

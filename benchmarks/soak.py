@@ -8,7 +8,6 @@ retries per record. Bounded in count and time; loopback only. Usage:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import tempfile
 import threading
@@ -19,7 +18,7 @@ from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConf
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import RANDOM_FAULTS, Script, ScriptedServer
-from tasks.generation import GenerationSettings, generate_async
+from tasks.generation import GenerationSettings, generate_shards
 
 
 def main() -> None:
@@ -62,8 +61,8 @@ def main() -> None:
     chaos.start()
     started = time.monotonic()
     try:
-        asyncio.run(generate_async(store, refs, settings, config, ValidationConfig(early_abort_after=32),
-                                   logging.getLogger("soak"), progress_every_s=10))
+        generate_shards(store, refs, settings, config, ValidationConfig(early_abort_after=32),
+                        logging.getLogger("soak"), progress_every_s=10)
     finally:
         chaos.join(timeout=5)
         for server in servers[1:]:

@@ -7,8 +7,6 @@ more, and `records` keeps what was answered (partial logs, finished shards, the 
 
 from __future__ import annotations
 
-import asyncio
-
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -25,9 +23,9 @@ from tasks.generation.records import (
     read_partial_log,
     unfinished_shards,
 )
-from tasks.generation.scheduler import GenerationScheduler, generate_async
+from tasks.generation.scheduler import GenerationScheduler, generate_shards
 
-__all__ = ["GenerationError", "GenerationSettings", "generate", "generate_async", "generated_shards",
+__all__ = ["GenerationError", "GenerationSettings", "generate", "generate_shards", "generated_shards",
            "partial_log_path", "read_partial_log", "unfinished_shards"]
 
 FINISHED_SHARDS = "finished_shards"  # set on generation's error: the shards it wrote, which go on regardless
@@ -64,7 +62,7 @@ def generate(
                       in_flight) as progress:
         scheduler.on_progress = progress.set
         try:
-            return asyncio.run(scheduler.run(prompt_shards))
+            return scheduler.run(prompt_shards)
         except UserError as error:
             setattr(error, FINISHED_SHARDS, [scheduler.finished[i] for i in sorted(scheduler.finished)])
             raise

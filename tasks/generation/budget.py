@@ -14,7 +14,7 @@ import asyncio
 from eagle3_datagen.protocol import ServerLoad
 from tasks.generation.pool import Endpoint, EndpointPool, Log
 
-AUTO_START = 32  # the first budget of an endpoint under `auto` (the early-abort window's default size)
+AUTO_START = 32  # the first budget of an endpoint under `auto`
 AUTO_CAP = 1024  # never more in flight to one endpoint
 FOLLOW_EVERY_S = 0.5
 KV_CACHE_FULL = 0.95  # share of the KV cache in use past which the server preempts

@@ -1,5 +1,6 @@
 """The early-abort test: a run is judged on its first answers before it may spend more than
-`validation.early_abort_after` requests, and released to its full budget the moment the verdict is in.
+`validation.early_abort_after` requests (by default one in-flight budget, so no slot waits for the verdict), and
+released to its full budget the moment the verdict is in.
 
 Two checks, both on real prompts whose answers are kept:
 - each endpoint's first `validation.probe_requests` answers are checked for form (reasoning in a field this run
@@ -31,6 +32,7 @@ from tasks.generation.records import GenerationError
 FALSE_ABORT = 0.001  # chance that the test stops a healthy run
 FALSE_PASS = 0.01  # chance that it lets a broken run through the window
 BROKEN_EMPTY_RATE = 0.5  # the broken run the test looks for: at least half the answers without reasoning
+MIN_WINDOW = 32  # the smallest default window: room for the 7-8 answers a verdict takes, with slots to spare
 
 Admission = Literal["window", "open", "aborted"]
 

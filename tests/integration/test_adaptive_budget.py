@@ -15,7 +15,7 @@ from eagle3_datagen.diagnosis import ServerCheckFailed
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
-from tasks.generation import GenerationSettings, generate_async
+from tasks.generation import GenerationSettings, generate_shards
 from tasks.health import check_servers_async
 
 
@@ -26,8 +26,8 @@ def test_auto_grows_the_budget_to_what_the_server_runs_and_keeps_the_queue_short
     runs_at_once = 40  # more than `auto` starts with
     with ScriptedServer(Script(latency_s=0.2, max_running=runs_at_once)) as server:
         settings = GenerationSettings("scripted-model", BUILTIN_PROFILES["qwen3"], GenerationConfig(max_tokens=8), "t")
-        asyncio.run(generate_async(store, refs, settings, ServerConfig(endpoints=[server.url], max_in_flight="auto"),
-                                   ValidationConfig(), logging.getLogger("test")))
+        generate_shards(store, refs, settings, ServerConfig(endpoints=[server.url], max_in_flight="auto"),
+                        ValidationConfig(), logging.getLogger("test"))
         samples = server.log.in_flight_samples or []
         assert server.log.requests == 1500
     assert server.log.max_in_flight >= runs_at_once, "the budget grew until the server was saturated"

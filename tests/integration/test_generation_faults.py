@@ -5,7 +5,6 @@ Every run here ends with the invariant: each prompt is generated exactly once or
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -15,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,7 @@ from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConf
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
-from tasks.generation import GenerationError, GenerationSettings, generate_async, partial_log_path, read_partial_log
+from tasks.generation import GenerationError, GenerationSettings, generate_shards, partial_log_path, read_partial_log
 
 QWEN3 = BUILTIN_PROFILES["qwen3"]
 
@@ -46,8 +46,8 @@ def run_generation(store: RunStore, refs: list[ShardRef], urls: list[str], budge
                    gen: GenerationSettings | None = None, validation: ValidationConfig | None = None,
                    **server: object) -> list[ShardRef]:
     config = ServerConfig(endpoints=urls, max_in_flight=budget, retry_backoff_s=0.01, **server)
-    return asyncio.run(generate_async(store, refs, gen or settings(), config, validation or ValidationConfig(),
-                                      logging.getLogger("test"), progress_every_s=0.2))
+    return generate_shards(store, refs, gen or settings(), config, validation or ValidationConfig(),
+                           logging.getLogger("test"), progress_every_s=0.2)
 
 
 def assert_exactly_once(store: RunStore, refs: list[ShardRef]) -> tuple[int, int]:
@@ -149,17 +149,16 @@ def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
 
 
 KILLABLE = """
-import asyncio, logging, sys
+import logging, sys
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import ServerConfig, ValidationConfig
 from eagle3_datagen.storage import RunStore
-from tasks.generation import generate_async
+from tasks.generation import generate_shards
 sys.path.insert(0, {tests!r})
 from test_generation_faults import settings
 refs = {refs!r}
 server = ServerConfig(endpoints=[{url!r}], max_in_flight=4)
-asyncio.run(generate_async(RunStore({root!r}, "run"), refs, settings(), server, ValidationConfig(),
-                           logging.getLogger("child")))
+generate_shards(RunStore({root!r}, "run"), refs, settings(), server, ValidationConfig(), logging.getLogger("child"))
 """
 
 
@@ -213,8 +212,8 @@ def test_progress_is_reported_while_generating(tmp_path: Path) -> None:
 
     with ScriptedServer(Script(latency_s=0.1)) as server:
         config = ServerConfig(endpoints=[server.url], max_in_flight=2)
-        asyncio.run(generate_async(store, refs, settings(), config, ValidationConfig(early_abort_after=2),
-                                   logging.getLogger("test"), progress_every_s=0.1, on_progress=record))
+        generate_shards(store, refs, settings(), config, ValidationConfig(early_abort_after=2),
+                        logging.getLogger("test"), progress_every_s=0.1, on_progress=record)
     assert seen and seen == sorted(seen) and 0 < seen[-1] <= 100
 
 
@@ -252,6 +251,23 @@ def test_the_verdict_releases_the_budget_without_waiting_for_the_slowest_of_the_
     assert assert_exactly_once(store, refs) == (100, 0)
 
 
+def test_by_default_the_window_is_one_budget_so_no_slot_waits_for_the_verdict(tmp_path: Path) -> None:
+    """The default early-abort window: a healthy run has its whole budget in flight before its first answer; a
+    broken one spends that budget at most."""
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 1, 40)
+    with ScriptedServer(Script(latency_s=0.3)) as server:
+        run_generation(store, refs, [server.url], budget=16)
+        in_flight = [count for _, count in server.log.in_flight_samples or []]
+    first_answer = next(i for i in range(1, len(in_flight)) if in_flight[i] < in_flight[i - 1])
+    assert max(in_flight[:first_answer]) == 16
+    broken = RunStore(str(tmp_path), "broken")
+    with ScriptedServer(Script(shape="none", latency_s=0.05)) as server:
+        with pytest.raises(GenerationError, match="early abort: 3 of the first 3 records have empty reasoning"):
+            run_generation(broken, write_prompt_shards(broken, 4, 50), [server.url], budget=16)
+        assert server.log.requests <= 16
+
+
 def test_every_record_is_captured_byte_for_byte(tmp_path: Path) -> None:
     store = RunStore(str(tmp_path), "gen")
     refs = write_prompt_shards(store, 3, 20)
@@ -284,20 +300,19 @@ def test_concurrent_runs_share_an_endpoints_budget_through_prefect(tmp_path: Pat
     """Two runs at once, each allowed 4 in flight: with the shared budget the server never sees more than 4."""
     from prefect.testing.utilities import prefect_test_harness
 
-    async def two_runs(url: str, share: bool) -> None:
+    def two_runs(url: str, share: bool) -> None:
         config = ServerConfig(endpoints=[url], max_in_flight=4, share_budget_across_runs=share)
-        runs = []
-        for name in ("a", "b"):
-            store = RunStore(str(tmp_path / f"{share}"), name)
-            refs = write_prompt_shards(store, 2, 12)
-            runs.append(generate_async(store, refs, settings(), config, ValidationConfig(early_abort_after=1),
-                                       logging.getLogger("test")))
-        await asyncio.gather(*runs)
+        stores = [RunStore(str(tmp_path / f"{share}"), name) for name in ("a", "b")]
+        with ThreadPoolExecutor(2) as runs:
+            for run in [runs.submit(generate_shards, store, write_prompt_shards(store, 2, 12), settings(), config,
+                                    ValidationConfig(early_abort_after=1), logging.getLogger("test"))
+                        for store in stores]:
+                run.result()
 
     with prefect_test_harness(server_startup_timeout=120):
         for share, ceiling in ((False, 8), (True, 4)):
             with ScriptedServer(Script(latency_s=0.1)) as server:
-                asyncio.run(two_runs(server.url, share))
+                two_runs(server.url, share)
                 assert server.log.requests == 48
                 assert server.log.max_in_flight <= ceiling
                 if not share:

@@ -19,7 +19,7 @@ from eagle3_datagen.protocol import OpenAIClient, build_chat_request
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
-from tasks.generation import GenerationSettings, generate_async
+from tasks.generation import GenerationSettings, generate_shards
 from tasks.health import ServerCheckFailed, check_servers_async
 from tasks.sequences import build_sequences
 
@@ -75,10 +75,9 @@ def _generate(url: str, tmp_path: Path, sequence_source: str = "auto", **validat
     rows = [{"id": f"p{i}", "row": i, "messages": [{"role": "user", "content": f"{QUESTION} ({i})"}]}
             for i in range(4)]
     refs = [store.write_shard("prompts", 0, rows)]
-    asyncio.run(generate_async(store, refs, GenerationSettings("scripted-model", QWEN3, GenerationConfig(max_tokens=64),
-                                                               "t"),
-                               ServerConfig(endpoints=[url], max_in_flight=4), ValidationConfig(**validation),
-                               logging.getLogger("test"), sequence_source=sequence_source))
+    generate_shards(store, refs, GenerationSettings("scripted-model", QWEN3, GenerationConfig(max_tokens=64), "t"),
+                    ServerConfig(endpoints=[url], max_in_flight=4), ValidationConfig(**validation),
+                    logging.getLogger("test"), sequence_source=sequence_source)
     return store
 
 
@@ -140,8 +139,8 @@ def _generate_mixed(url: str, tmp_path: Path, prompts: int = 24, **validation: o
             for i in range(prompts)]
     refs = [store.write_shard("prompts", 0, rows)]
     settings = GenerationSettings("scripted-model", QWEN3, GenerationConfig(max_tokens=64, modes=MIX), "t")
-    asyncio.run(generate_async(store, refs, settings, ServerConfig(endpoints=[url], max_in_flight=4),
-                               ValidationConfig(**validation), logging.getLogger("test")))
+    generate_shards(store, refs, settings, ServerConfig(endpoints=[url], max_in_flight=4),
+                    ValidationConfig(**validation), logging.getLogger("test"))
     return store
 
 

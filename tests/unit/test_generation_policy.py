@@ -1,7 +1,10 @@
-"""The decisions generation takes on its own: when the early-abort window lets a run go, and how `auto` moves a
-budget with the server's load. Pure functions and small classes, no server."""
+"""The decisions generation takes on its own: when the early-abort window lets a run go, how `auto` moves a budget
+with the server's load, and how a stall of the event loop is measured. Pure functions and small classes, no server."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import pytest
 
@@ -11,6 +14,7 @@ from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.protocol import Completion, ServerLoad, parse_metrics
 from tasks.generation.budget import next_limit
 from tasks.generation.probation import EmptyReasoningTest, Outcome, Probation
+from tasks.generation.scheduler import StallClock
 
 ENDPOINT = "http://127.0.0.1:8000"
 
@@ -117,3 +121,16 @@ def test_auto_budget_cannot_be_shared_across_runs() -> None:
         parse_config({"run_name": "r", "data": {"source": "d.jsonl"},
                       "model": {"name": "m", "profile": "qwen3", "tokenizer": "t"},
                       "server": {"max_in_flight": "auto", "share_budget_across_runs": True}})
+
+
+def test_the_stall_clock_reports_the_longest_time_the_event_loop_could_not_poll() -> None:
+    clock = StallClock()
+
+    async def blocks_once() -> None:
+        await asyncio.sleep(0.05)  # waiting is not a stall
+        time.sleep(0.3)  # a callback that holds the loop: every request in flight waits
+        await asyncio.sleep(0.05)
+
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(clock)) as runner:
+        runner.run(blocks_once())
+    assert 0.3 <= clock.longest_s < 3
