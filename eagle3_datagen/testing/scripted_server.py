@@ -312,8 +312,10 @@ class ScriptedServer:
     def _context_refusal(self, body: dict[str, Any], message: dict[str, Any]) -> str | None:
         """vLLM's refusal when the prompt plus max_tokens exceeds the served context."""
         limit = self.script.max_model_len
+        if limit is None:
+            return None
         prompt = len(self._token_ids(body, message)[0])
-        if limit is None or prompt + body["max_tokens"] <= limit:
+        if prompt + body["max_tokens"] <= limit:
             return None
         return (f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt + body['max_tokens']} tokens ({prompt} in the messages, {body['max_tokens']} in the "

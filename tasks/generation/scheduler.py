@@ -133,6 +133,7 @@ class GenerationScheduler:
         self.total = 0
         self._window: list[Prompt] = []
         self._requests: set[asyncio.Task[None]] = set()
+        self._crash: BaseException | None = None  # what a request's task raised: the run stops with it
         self._writes: dict[int, asyncio.Future[ShardRef]] = {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="generation-writer")
         self._swept = False  # shards completed inside the window were finalized once it passed
@@ -216,8 +217,13 @@ class GenerationScheduler:
         helpers = [asyncio.create_task(self._report())]
         if auto:
             helpers += [asyncio.create_task(follow_load(self.pool, e, self.log)) for e in self.pool.endpoints]
+        self._dispatcher = asyncio.ensure_future(self._dispatch())
         try:
-            await self._dispatch()
+            try:
+                await self._dispatcher
+            except asyncio.CancelledError:
+                if self._crash is None:  # not stopped by a request that raised (`_ended`), but from outside
+                    raise
             longest_stall_s = clock.longest_s  # before the shutdown's waits for the last writes
         finally:
             for pending in [*self._requests, *helpers, *([self._reading] if self._reading else [])]:
@@ -233,6 +239,8 @@ class GenerationScheduler:
             await asyncio.gather(*(c.aclose() for c in clients))
             self._record_findings()
             gc.unfreeze()
+        if self._crash is not None:
+            raise self._crash
         cpu_per_request = (time.process_time() - cpu_at_start) / self.total
         self._raise_if_short()
         self.log.info("generation done: %d prompts, %d retries, %.1fs; longest event-loop stall %.0f ms, client CPU "
@@ -261,7 +269,7 @@ class GenerationScheduler:
                 self._window.append(prompt)
             request = asyncio.create_task(self._request(prompt, slot))
             self._requests.add(request)
-            request.add_done_callback(self._requests.discard)
+            request.add_done_callback(self._ended)
         while self._requests:
             await asyncio.wait(set(self._requests))
 
@@ -286,6 +294,16 @@ class GenerationScheduler:
             self._stop_requests()
         elif self.probation.passed:
             self._after_pass(prompt)
+
+    def _ended(self, request: asyncio.Task[None]) -> None:
+        """A request's task ended. One that raised (a bug, a full disk) stops the run with its error, instead of
+        leaving a gap that would read as unreachable servers."""
+        self._requests.discard(request)
+        if request.cancelled() or request.exception() is None or self._crash is not None:
+            return
+        self._crash = request.exception()
+        self._dispatcher.cancel()
+        self._stop_requests()
 
     def _stop_requests(self) -> None:
         """The run is stopped: cancel what is in flight (a closed connection makes vLLM drop the request)."""

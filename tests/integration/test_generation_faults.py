@@ -268,6 +268,35 @@ def test_by_default_the_window_is_one_budget_so_no_slot_waits_for_the_verdict(tm
         assert server.log.requests <= 16
 
 
+def test_a_record_that_cannot_be_kept_stops_the_run_with_its_error(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills up mid-run: the run ends with that error (not as a gap read as unreachable servers), and
+    what was kept before stays for the re-run."""
+    from tasks.generation.records import ShardState
+
+    append, kept = ShardState.append, []
+
+    def fills_up(state: ShardState, entry: dict[str, object]) -> None:
+        if len(kept) == 20:
+            raise OSError(28, "No space left on device")
+        append(state, entry)
+        kept.append(entry)
+
+    monkeypatch.setattr(ShardState, "append", fills_up)
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(store, 2, 50)
+    with ScriptedServer(Script(latency_s=0.01)) as server:
+        with pytest.raises(OSError, match="No space left on device"):
+            run_generation(store, refs, [server.url])
+        asked = server.log.requests
+    assert asked < 100, "the run stopped instead of asking every prompt"
+    monkeypatch.setattr(ShardState, "append", append)
+    with ScriptedServer(Script(latency_s=0.01)) as server:
+        run_generation(store, refs, [server.url])
+        assert server.log.requests == 100 - 20, "the records kept before the error are not asked again"
+    assert assert_exactly_once(store, refs) == (100, 0)
+
+
 def test_every_record_is_captured_byte_for_byte(tmp_path: Path) -> None:
     store = RunStore(str(tmp_path), "gen")
     refs = write_prompt_shards(store, 3, 20)
