@@ -236,8 +236,9 @@ class ValidationConfig(_Section):
         description="The most requests a run may spend before its first answers are judged: it goes on as soon "
         "as they show reasoning (and instant-mode ones none), and stops with the cause when they show none (or "
         "instant-mode ones show it) or the server refuses them; what is in flight then is cancelled. Default: "
-        "one in-flight budget (every endpoint's, at least 32), so no slot waits for the verdict; a smaller number "
-        "spends less on a broken server and leaves the rest of the budget idle until the verdict.",
+        "one in-flight budget (every endpoint's, at least 32; under `auto`, what it grows to meanwhile), so no "
+        "slot waits for the verdict; a smaller number spends less on a broken server and leaves the rest of the "
+        "budget idle until the verdict.",
     )
     allow_inline_reasoning: bool = Field(
         default=False, description="Accept a server without a reasoning parser and split the tags out here."

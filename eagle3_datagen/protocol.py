@@ -23,6 +23,9 @@ from eagle3_datagen.redaction import register_secret
 REASONING_FIELDS = ("reasoning", "reasoning_content")
 RUNNING, WAITING, KV_CACHE_USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+# idle connections are closed before the server's keep-alive ends (vLLM's uvicorn: 5 s): a request sent on one
+# the server has just closed fails with ServerDisconnectedError (aiohttp keeps them 15 s by default)
+KEEPALIVE_S = 3.0
 
 
 class ProtocolError(RuntimeError):
@@ -242,7 +245,7 @@ class OpenAIClient:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 self.base_url, headers=self._headers, timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S),
             )
         return self._session
 

@@ -1,10 +1,13 @@
 """`server.max_in_flight: auto`: each endpoint's budget follows the server's own load, read from vLLM's /metrics.
 
-The budget grows while nothing waits in the server's queue and its KV cache has room, and shrinks to what the
-server runs (plus a small queue, so a finished request is replaced without a round trip) when requests queue or
-the cache is full. As in TCP, it doubles until the server first pushes back, then grows by a sixteenth, so
-it stays near the server's limit instead of swinging around it. A fixed budget is either too small for a big
-server or a long queue on a small one; this one keeps every endpoint just saturated whatever its size.
+The budget grows while (almost) nothing waits in the server's queue and its KV cache has room, and shrinks to
+what the server runs plus a queue when more than that waits or the cache is full. The queue, a quarter of the
+budget, is what keeps the engine fed: a finished request is replaced from it at once, while its successor is
+still on its way through the client and the server's front end (on the vLLM CPU server, whose front end shares
+the cores, a queue of a sixteenth starved the engine: 0.85x the throughput of a fixed budget of twice what it
+runs). As in TCP, the budget doubles until the server first pushes back, then grows by a sixteenth, so it stays
+near the server's limit instead of swinging around it. A fixed budget is either too small for a big server or a
+long queue on a small one; this one keeps every endpoint just saturated whatever its size.
 """
 
 from __future__ import annotations
@@ -19,17 +22,21 @@ AUTO_CAP = 1024  # never more in flight to one endpoint
 FOLLOW_EVERY_S = 0.5
 KV_CACHE_FULL = 0.95  # share of the KV cache in use past which the server preempts
 KV_CACHE_ROOM = 0.85  # below this share there is room for more requests
+QUEUE_SHARE = 4  # up to a budget's quarter may wait in the server's queue; it grows while a sixteenth or less waits
 
 def next_limit(limit: int, peak_in_flight: int, load: ServerLoad, pushed_back: bool = False) -> int:
     """The next budget of an endpoint, from its current one, the most it had in flight lately, its load, and
     whether it ever pushed back (requests queued or a full cache) during this run."""
-    queue = max(2, limit // 16)
+    queue = max(2, limit // QUEUE_SHARE)
     cache = load.kv_cache_usage
     if load.waiting > queue or (cache is not None and cache >= KV_CACHE_FULL):
         return max(1, min(limit, int(load.running) + queue))
-    taken_in = load.running + load.waiting >= limit - queue  # the server counts what was sent (its HTTP front
-    # end may still be reading a burst, which a CPU server does slowly: growing then only piles up more)
-    if load.waiting == 0 and (cache is None or cache < KV_CACHE_ROOM) and peak_in_flight >= limit and taken_in:
+    # the server counts at least half of what was sent: its HTTP front end is not still reading a burst (growing
+    # then only piles up more). Not all of it: requests in pre- and post-processing are counted nowhere, and a
+    # CPU server with 32 in flight counted 3 to 31 of them for 3 s, holding the budget at its start meanwhile
+    taken_in = load.running + load.waiting >= limit // 2
+    few_wait = load.waiting <= queue // QUEUE_SHARE
+    if few_wait and (cache is None or cache < KV_CACHE_ROOM) and peak_in_flight >= limit and taken_in:
         return min(AUTO_CAP, limit + max(1, limit // 16) if pushed_back else 2 * limit)
     return limit
 

@@ -202,13 +202,14 @@ class GenerationScheduler:
         gc.freeze()  # what start-up built lives for the whole run: keep full collections from walking it
         auto = self.server.max_in_flight == "auto"
         limit = AUTO_START if auto else int(self.server.max_in_flight)
-        self._lookahead = 2 * (AUTO_CAP if auto else limit) * len(self.server.endpoints)
+        most = AUTO_CAP if auto else limit  # the most an endpoint may have in flight
+        self._lookahead = 2 * most * len(self.server.endpoints)
         key = api_key(self.server)
-        clients = [OpenAIClient(url, key, self.server.request_timeout_s, AUTO_CAP if auto else limit)
-                   for url in self.server.endpoints]
+        clients = [OpenAIClient(url, key, self.server.request_timeout_s, most) for url in self.server.endpoints]
         self.pool = EndpointPool([Endpoint(c.base_url, c, limit) for c in clients], self.server, self.log)
         modes = [entry.mode for entry in self.settings.generation.mode_mix(self.settings.profile) if entry.weight]
-        window = self.validation.early_abort_after or max(MIN_WINDOW, limit * len(self.server.endpoints))
+        # by default the window never binds before the budget does (under auto: however far it grows meanwhile)
+        window = self.validation.early_abort_after or max(MIN_WINDOW, most * len(self.server.endpoints))
         self.probation = Probation(min(window, self.total), self.server.endpoints,
                                    self.settings.model, self.settings.profile, self.validation,
                                    self.sequence_source, modes)

@@ -92,12 +92,16 @@ def test_the_budget_grows_only_while_it_is_used_and_the_server_has_room() -> Non
         "slowly once the server pushed back"
     assert next_limit(256, peak_in_flight=256, load=ServerLoad(120, 0, 0.1)) == 256, \
         "not while the server has yet to take in what was sent"
+    assert next_limit(32, peak_in_flight=32, load=ServerLoad(19, 0, 0.01)) == 64, \
+        "but without waiting for every request to be counted: some are in the server's pre- or post-processing"
 
 
-def test_the_budget_shrinks_to_what_runs_plus_a_short_queue_when_requests_wait() -> None:
-    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=40, waiting=24, kv_cache_usage=0.5)) == 44
-    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=50, waiting=0, kv_cache_usage=0.97)) == 54
+def test_the_budget_shrinks_to_what_runs_plus_a_quarter_when_more_wait_or_the_cache_is_full() -> None:
+    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=40, waiting=24, kv_cache_usage=0.5)) == 56
+    assert next_limit(128, peak_in_flight=128, load=ServerLoad(running=50, waiting=0, kv_cache_usage=0.97)) == 82
     assert next_limit(8, peak_in_flight=8, load=ServerLoad(running=0, waiting=30, kv_cache_usage=None)) == 2
+    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=48, waiting=10, kv_cache_usage=0.5)) == 64, \
+        "a queue within a quarter of the budget is kept: it feeds the engine while successors are on their way"
 
 
 def test_vllm_metrics_are_summed_over_engines_and_histograms_ignored() -> None:
