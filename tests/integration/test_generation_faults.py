@@ -255,17 +255,17 @@ def test_by_default_the_window_is_one_budget_so_no_slot_waits_for_the_verdict(tm
     """The default early-abort window: a healthy run has its whole budget in flight before its first answer; a
     broken one spends that budget at most."""
     store = RunStore(str(tmp_path), "run")
-    refs = write_prompt_shards(store, 1, 40)
+    refs = write_prompt_shards(store, 1, 100)
     with ScriptedServer(Script(latency_s=0.3)) as server:
-        run_generation(store, refs, [server.url], budget=16)
+        run_generation(store, refs, [server.url], budget=48)  # more than the smallest window (32)
         in_flight = [count for _, count in server.log.in_flight_samples or []]
     first_answer = next(i for i in range(1, len(in_flight)) if in_flight[i] < in_flight[i - 1])
-    assert max(in_flight[:first_answer]) == 16
+    assert max(in_flight[:first_answer]) == 48
     broken = RunStore(str(tmp_path), "broken")
     with ScriptedServer(Script(shape="none", latency_s=0.05)) as server:
         with pytest.raises(GenerationError, match="early abort: 3 of the first 3 records have empty reasoning"):
-            run_generation(broken, write_prompt_shards(broken, 4, 50), [server.url], budget=16)
-        assert server.log.requests <= 16
+            run_generation(broken, write_prompt_shards(broken, 4, 50), [server.url], budget=48)
+        assert server.log.requests <= 48
 
 
 def test_a_record_that_cannot_be_kept_stops_the_run_with_its_error(tmp_path: Path,
