@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import pytest
+from early_abort_answers import ENDPOINT, answer, judge
 
 from eagle3_datagen.config import ServerConfig, ValidationConfig, parse_config
 from eagle3_datagen.errors import ConfigurationError
@@ -15,23 +16,6 @@ from eagle3_datagen.protocol import Completion, ServerLoad, parse_metrics
 from tasks.generation.budget import next_limit
 from tasks.generation.probation import EmptyReasoningTest, Outcome, Probation
 from tasks.generation.scheduler import StallClock
-
-ENDPOINT = "http://127.0.0.1:8000"
-
-
-def answer(reasoning: str) -> Outcome:
-    done = Completion(reasoning, "42", "stop", "reasoning", [1, 2], [3, 4], {}, "m")
-    return Outcome(ENDPOINT, completions=[done])
-
-
-def judge(outcomes: list[Outcome], size: int = 32, **validation: object) -> tuple[Probation, int]:
-    """Feed answers until the verdict; returns the probation and how many answers it took."""
-    probation = Probation(size, [ENDPOINT], "m", BUILTIN_PROFILES["qwen3"], ValidationConfig(**validation))
-    for seen, outcome in enumerate(outcomes, 1):
-        probation.observe(outcome)
-        if probation.passed or probation.error:
-            return probation, seen
-    return probation, len(outcomes)
 
 
 def test_a_healthy_run_is_let_go_after_its_first_seven_answers_of_a_window_of_32() -> None:

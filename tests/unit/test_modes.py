@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from early_abort_answers import answer, judge
 
 from eagle3_datagen.config import GenerationConfig, SequencesConfig, ValidationConfig, parse_config
 from eagle3_datagen.errors import ConfigurationError
@@ -17,7 +18,6 @@ from eagle3_datagen.modes import ModeSpec, ModeWeight, assign_mode
 from eagle3_datagen.profiles import BUILTIN_PROFILES, ModelProfile
 from eagle3_datagen.protocol import Completion, build_chat_request
 from eagle3_datagen.think_tokens import ThinkTokenSpec, discover_think_tokens, load_tokenizer
-from tasks.generation.probation import Outcome, Probation
 from tasks.generation.records import GenerationSettings, Prompt, new_records
 from tasks.sequences import build_sequences, cross_checked
 from tasks.validation import validate_records
@@ -25,7 +25,6 @@ from tasks.validation import validate_records
 KIMI, QWEN3 = BUILTIN_PROFILES["kimi-k2.5"], BUILTIN_PROFILES["qwen3"]
 MIX = [ModeWeight(mode="thinking", weight=0.7), ModeWeight(mode="instant", weight=0.3)]
 IDS = [f"{n:016x}" for n in range(10_000)]
-ENDPOINT = "http://127.0.0.1:8000"
 
 
 def _config(modes: object, profile: str = "kimi-k2.5", **tree: Any) -> Any:
@@ -120,29 +119,15 @@ def test_each_mode_is_switched_on_its_own_way() -> None:
         {"role": "system", "content": "/no_think"}, *messages]
 
 
-def _answer(reasoning: str, mode: str | None) -> Outcome:
-    done = Completion(reasoning, "42", "stop", "reasoning" if reasoning else "none", [1, 2], [3, 4], {}, "m")
-    return Outcome(ENDPOINT, completions=[done], mode=mode)
-
-
-def _judge(outcomes: list[Outcome], modes: list[str]) -> tuple[Probation, int]:
-    probation = Probation(32, [ENDPOINT], "m", KIMI, ValidationConfig(), modes=modes)
-    for seen, outcome in enumerate(outcomes, 1):
-        probation.observe(outcome)
-        if probation.passed or probation.error:
-            return probation, seen
-    return probation, len(outcomes)
-
-
 def test_a_mixed_run_goes_on_once_both_modes_answer_in_their_form() -> None:
-    outcomes = [_answer("thinking…", "thinking"), _answer("", "instant")] * 16
-    probation, seen = _judge(outcomes, ["thinking", "instant"])
+    outcomes = [answer("thinking…", "thinking"), answer("", "instant")] * 16
+    probation, seen = judge(outcomes, profile=KIMI, modes=["thinking", "instant"])
     assert probation.passed and seen == 14, "seven good answers of each mode"
 
 
 def test_an_ignored_instant_switch_stops_the_run_early_naming_the_switch() -> None:
-    outcomes = [_answer("thinking…", "thinking"), _answer("thinking anyway…", "instant")] * 16
-    probation, seen = _judge(outcomes, ["thinking", "instant"])
+    outcomes = [answer("thinking…", "thinking"), answer("thinking anyway…", "instant")] * 16
+    probation, seen = judge(outcomes, profile=KIMI, modes=["thinking", "instant"])
     assert seen == 6 and probation.error is not None
     assert str(probation.error).startswith("early abort: 3 of the first 3 records asked in mode instant carry "
                                            "reasoning")
@@ -150,7 +135,7 @@ def test_an_ignored_instant_switch_stops_the_run_early_naming_the_switch() -> No
 
 
 def test_an_instant_only_run_is_not_held_to_reasoning() -> None:
-    probation, seen = _judge([_answer("", "instant")] * 32, ["instant"])
+    probation, seen = judge([answer("", "instant")] * 32, profile=KIMI, modes=["instant"])
     assert probation.passed and seen == 7
 
 
