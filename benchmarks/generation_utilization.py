@@ -4,7 +4,7 @@ Scripted OpenAI-protocol servers, each in its own process, keep their own log of
 request the client sends counts, probes too) and report it at /stats. Phases (see benchmarks/README.md):
 
   cli        `eagle3-datagen run` end to end at two latency settings: utilization, first request, stall, CPU;
-  clients    the HTTP client's CPU per request: the project's client against the openai SDK's two transports;
+  clients    the HTTP client's CPU per request: the project's against raw aiohttp and the openai SDK's two transports;
   auto       `server.max_in_flight: auto` against a sweep of fixed budgets on the real vLLM CPU server;
   shared     the stage alone, every shard at once on one budget per endpoint, against an ideal client;
   per-shard  shards one after another, each with its own pool, extrapolated to all;
@@ -46,7 +46,7 @@ import yaml
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import BUILTIN_PROFILES
-from eagle3_datagen.protocol import OpenAIClient, build_chat_request
+from eagle3_datagen.protocol import OpenAIClient, build_chat_request, parse_chat_response
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, scripted_latency
 from tasks.generation import GenerationSettings, generate_shards
@@ -392,16 +392,23 @@ async def _drive(call: Callable[[int], Awaitable[Any]], requests: int, concurren
 
 
 async def _client_costs(url: str, requests: int, concurrency: int) -> dict[str, float]:
-    """One round of each client against the same zero-latency server, reading reasoning and token ids as the
-    stage does."""
+    """One round of each client against the same server, reading reasoning and token ids as the stage does."""
+    import aiohttp
     import openai
 
     profile = BUILTIN_PROFILES["qwen3"]
+    body = lambda k: build_chat_request(  # noqa: E731
+        "scripted-model", [{"role": "user", "content": f"q{k}"}], profile.mode(None), GenerationConfig(max_tokens=64))
     costs: dict[str, float] = {}
-    async with OpenAIClient(url, None, 60, concurrency) as ours:
-        costs["project (raw aiohttp)"] = await _drive(
-            lambda k: ours.chat(build_chat_request("scripted-model", [{"role": "user", "content": f"q{k}"}], profile,
-                                                   GenerationConfig(max_tokens=64)), profile), requests, concurrency)
+    async with OpenAIClient(url, None, 60) as ours:
+        costs[PROJECT] = await _drive(lambda k: ours.chat(body(k), profile), requests, concurrency)
+    async with aiohttp.ClientSession(url, connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        async def raw(k: int) -> None:  # the project's client before it parsed HTTP itself
+            async with session.post("/v1/chat/completions", json=body(k)) as response:
+                assert response.status == 200
+                parse_chat_response(json.loads(await response.read()), profile)
+
+        costs["raw aiohttp"] = await _drive(raw, requests, concurrency)
     for name, http in (("openai SDK, httpx transport", openai.DefaultAsyncHttpxClient()),
                        ("openai SDK, aiohttp transport", openai.DefaultAioHttpClient())):
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http) as sdk:
@@ -416,19 +423,25 @@ async def _client_costs(url: str, requests: int, concurrency: int) -> dict[str, 
     return costs
 
 
+PROJECT = "project (httptools)"
+
+
 def clients_phase(args: argparse.Namespace) -> None:
-    """The HTTP client's own cost: the project's raw aiohttp client against the openai SDK on both transports."""
-    print(f"\n[clients] client CPU per request, zero server latency, {args.client_requests} requests at "
-          f"{CLI_BUDGET} in flight, {args.client_rounds} interleaved rounds (median)")
-    rounds: dict[str, list[float]] = {}
-    with Servers([Script()]) as servers:
-        for _ in range(args.client_rounds):
-            for name, cost in asyncio.run(_client_costs(servers.urls[0], args.client_requests, CLI_BUDGET)).items():
-                rounds.setdefault(name, []).append(cost)
-    ours = statistics.median(rounds["project (raw aiohttp)"])
-    for name, costs in rounds.items():
-        print(f"  {name:<32} {statistics.median(costs) * 1e3:6.2f} ms/request  ({statistics.median(costs) / ours:.1f}× "
-              "the project's)")
+    """The HTTP client's own cost: the project's client against raw aiohttp and the openai SDK on both its
+    transports; at zero latency (answers back to back) and at 500 ms (each answer wakes the loop by itself)."""
+    for median_s, requests in ((0.0, args.client_requests), (0.5, args.client_slow_requests)):
+        print(f"\n[clients] client CPU per request, server latency {median_s * 1e3:.0f} ms median (log-normal sigma "
+              f"{args.cli_sigma if median_s else 0:g}), {requests} requests at {CLI_BUDGET} in flight, "
+              f"{args.client_rounds} interleaved rounds (median)")
+        rounds: dict[str, list[float]] = {}
+        with Servers([Script(latency_s=median_s, latency_sigma=args.cli_sigma if median_s else 0.0)]) as servers:
+            for _ in range(args.client_rounds):
+                for name, cost in asyncio.run(_client_costs(servers.urls[0], requests, CLI_BUDGET)).items():
+                    rounds.setdefault(name, []).append(cost)
+        ours = statistics.median(rounds[PROJECT])
+        for name, costs in rounds.items():
+            print(f"  {name:<32} {statistics.median(costs) * 1e3:6.2f} ms/request  "
+                  f"({statistics.median(costs) / ours:.1f}× the project's)")
 
 
 def auto_phase(args: argparse.Namespace, tmp: str) -> None:
@@ -486,6 +499,8 @@ def main() -> None:
     parser.add_argument("--phases", default="cli,clients,auto",
                         help="comma-separated subset of cli, clients, auto, shared, per-shard, cpu")
     parser.add_argument("--client-requests", type=int, default=3000, help="requests per client per round")
+    parser.add_argument("--client-slow-requests", type=int, default=640,
+                        help="requests per client per round at 500 ms")
     parser.add_argument("--client-rounds", type=int, default=3)
     parser.add_argument("--vllm-requests", type=int, default=2000, help="requests per run on the vLLM server")
     parser.add_argument("--vllm-rounds", type=int, default=3, help="runs of each setting, interleaved")

@@ -1,6 +1,7 @@
 """The OpenAI-protocol client: request bodies, response shapes, and reading reasoning from every form servers send.
 
-Raw HTTP (aiohttp), not the OpenAI SDK: a sixth of the SDK's CPU per request or less, measured (see `OpenAIClient`).
+Plain HTTP (`http_client`), not the OpenAI SDK: a sixth of the SDK's CPU per request or less, measured (see
+`OpenAIClient`).
 Responses are read here in every form servers send: the reasoning field has had three names (`reasoning`,
 `reasoning_content`, inline `<think>` tags).
 """
@@ -9,23 +10,20 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from eagle3_datagen.config import GenerationConfig, ServerConfig
+from eagle3_datagen.http_client import HTTPConnections
 from eagle3_datagen.modes import with_system_prompt
-from eagle3_datagen.profiles import ModelProfile
+from eagle3_datagen.profiles import ModelProfile, ModeSpec
 from eagle3_datagen.redaction import register_secret
 
 REASONING_FIELDS = ("reasoning", "reasoning_content")
 RUNNING, WAITING, KV_CACHE_USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
-# idle connections are closed before the server's keep-alive ends (vLLM's uvicorn: 5 s): a request sent on one
-# the server has just closed fails with ServerDisconnectedError (aiohttp keeps them 15 s by default)
-KEEPALIVE_S = 3.0
+CHAT_PATH = "/v1/chat/completions"
 
 
 class ProtocolError(RuntimeError):
@@ -88,17 +86,14 @@ def parse_metrics(text: str) -> ServerLoad | None:
 def build_chat_request(
     model: str,
     messages: list[dict[str, str]],
-    profile: ModelProfile,
+    spec: ModeSpec,
     generation: GenerationConfig,
     *,
     seed: int | None = None,
-    stream: bool = False,
-    mode: str | None = None,
     max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """The JSON body of a chat completion in one of the model's modes (None: its default), switched on the way
+    """The JSON body of a chat completion in one of the model's modes (`profile.mode(name)`), switched on the way
     this model wants."""
-    spec = profile.mode(mode)
     body: dict[str, Any] = {
         "model": model,
         "messages": with_system_prompt(messages, spec),
@@ -106,7 +101,6 @@ def build_chat_request(
         "temperature": generation.temperature,
         "top_p": generation.top_p,
         "return_token_ids": True,
-        "stream": stream,
     }
     if spec.chat_template_kwargs:
         body["chat_template_kwargs"] = dict(spec.chat_template_kwargs)
@@ -116,8 +110,6 @@ def build_chat_request(
         body["seed"] = seed
     if generation.n > 1:
         body["n"] = generation.n
-    if stream:
-        body["stream_options"] = {"include_usage": True}
     body.update(generation.extra_body)
     return body
 
@@ -135,7 +127,7 @@ def split_inline_reasoning(text: str, profile: ModelProfile) -> tuple[str, str] 
 
 
 def read_message(message: Mapping[str, Any], profile: ModelProfile) -> tuple[str, str, str]:
-    """(reasoning, content, source) from a chat message or an accumulated stream delta."""
+    """(reasoning, content, source) from a chat message."""
     content = message.get("content") or ""
     found = {name: message[name] for name in REASONING_FIELDS if message.get(name)}
     if len(set(found.values())) > 1:
@@ -155,7 +147,7 @@ def _unread_text_fields(message: Mapping[str, Any]) -> dict[str, str]:
 
 
 def parse_chat_response(body: Mapping[str, Any], profile: ModelProfile) -> list[Completion]:
-    """Every choice of a non-streaming chat completion response."""
+    """Every choice of a chat completion response."""
     choices = body.get("choices")
     if not isinstance(choices, list) or not choices:
         raise ProtocolError(f"response has no choices: {json.dumps(body)[:200]}")
@@ -179,35 +171,6 @@ def parse_chat_response(body: Mapping[str, Any], profile: ModelProfile) -> list[
     return completions
 
 
-async def parse_chat_stream(lines: AsyncIterator[str], profile: ModelProfile) -> list[Completion]:
-    """Accumulate a server-sent-events stream into the same Completions a non-streaming call gives."""
-    parts: dict[int, dict[str, Any]] = {}
-    top: dict[str, Any] = {}
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
-            break
-        chunk = json.loads(data)
-        for key in ("model", "usage", "prompt_token_ids"):
-            if chunk.get(key):
-                top[key] = chunk[key]
-        for choice in chunk.get("choices") or []:
-            acc = parts.setdefault(choice.get("index", 0), {"message": {}, "token_ids": []})
-            for name, value in (choice.get("delta") or {}).items():
-                if isinstance(value, str):
-                    acc["message"][name] = acc["message"].get(name, "") + value
-            acc["token_ids"].extend(choice.get("token_ids") or [])
-            if choice.get("finish_reason"):
-                acc["finish_reason"] = choice["finish_reason"]
-    choices = [
-        {"message": acc["message"], "finish_reason": acc.get("finish_reason"), "token_ids": acc["token_ids"] or None}
-        for _, acc in sorted(parts.items())
-    ]
-    return parse_chat_response({**top, "choices": choices}, profile)
-
-
 def api_key(server: ServerConfig) -> str | None:
     """The endpoints' API key: from `server.api_key_env`, else the Prefect Secret block `server.api_key_secret`.
 
@@ -226,85 +189,62 @@ def api_key(server: ServerConfig) -> str | None:
 class OpenAIClient:
     """A small async client for one vLLM endpoint; the API key comes from the environment only.
 
-    Raw aiohttp, not the openai SDK, because of its cost per request: at 64 in flight against a server that
-    answers at once, reading reasoning and token ids, this client spends 0.21 ms of CPU per request, the SDK
-    1.18 ms on its aiohttp transport and 1.81 ms on its default httpx one (5.7× and 8.6×; `benchmarks/
-    generation_utilization.py --phases clients`). At a thousand requests a second the SDK alone would need a
-    core or two; this leaves the budget full. The body is plain JSON: vLLM's extra fields need no `extra_body`.
+    Not the openai SDK, because of its cost per request: at 64 in flight, reading reasoning and token ids, the SDK
+    spends 12× (its aiohttp transport) to 20× (its default httpx one) the CPU of this client against a server that
+    answers at once, 5× to 7× against one answering in ~500 ms (`benchmarks/generation_utilization.py --phases
+    clients`; 1.4-2.8 ms per request). At a thousand requests a second the SDK alone would need a core or two.
+    The body is plain JSON: vLLM's extra fields need no `extra_body`.
     """
 
-    def __init__(self, base_url: str, api_key: str | None, timeout_s: float, max_connections: int = 64) -> None:
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float) -> None:
         self.base_url = base_url
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=10)
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        """The session, created inside the running event loop on first use."""
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                self.base_url, headers=self._headers, timeout=self._timeout,
-                connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=KEEPALIVE_S),
-            )
-        return self._session
+        self._http = HTTPConnections(base_url, {"Authorization": f"Bearer {api_key}"} if api_key else {})
+        self._timeout_s = timeout_s
 
     async def __aenter__(self) -> OpenAIClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+        self.close()
 
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+    def close(self) -> None:
+        self._http.close()
 
     async def healthy(self) -> bool:
         try:
-            async with self._http().get("/health", timeout=aiohttp.ClientTimeout(total=5)) as response:
-                return response.status == 200
-        except (aiohttp.ClientError, TimeoutError):
+            return (await self._http.request("GET", "/health", 5.0)).status == 200
+        except OSError:  # TimeoutError among them
             return False
 
     async def served_models(self) -> dict[str, int | None]:
         """Served model names and their context length (`max_model_len`, when the server reports it)."""
-        async with self._http().get("/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as response:
-            data = await response.read()
-            _raise_for_status(response.status, str(response.url), data)
-        return {entry["id"]: entry.get("max_model_len") for entry in json.loads(data).get("data", [])}
+        response = await self._http.request("GET", "/v1/models", 10.0)
+        _raise_for_status(response.status, f"{self.base_url}/v1/models", response.body)
+        return {entry["id"]: entry.get("max_model_len") for entry in json.loads(response.body).get("data", [])}
 
     async def load(self) -> ServerLoad | None:
         """The server's load from its /metrics; None when it reports none or does not answer."""
         try:
-            async with self._http().get("/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
-                return parse_metrics(await response.text()) if response.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError):
+            response = await self._http.request("GET", "/metrics", 10.0)
+        except OSError:
             return None
+        return parse_metrics(response.body.decode("utf-8", "replace")) if response.status == 200 else None
 
     async def chat(self, body: dict[str, Any], profile: ModelProfile) -> list[Completion]:
         """One chat completion; transport failures and refusals become RequestFailed with `retryable` set."""
         try:
-            async with self._http().post("/v1/chat/completions", json=body) as response:
-                if body.get("stream") and response.status == 200:
-                    return await parse_chat_stream(_lines(response.content), profile)
-                data = await response.read()
-                _raise_for_status(response.status, str(response.url), data)
-            try:
-                payload = json.loads(data)
-            except ValueError as error:
-                raise RequestFailed(f"malformed JSON from {self.base_url}: {error}", 200, True) from None
-            return parse_chat_response(payload, profile)
+            response = await self._http.request("POST", CHAT_PATH, self._timeout_s, json.dumps(body).encode())
         except TimeoutError:
             raise RequestFailed(f"timeout talking to {self.base_url}", None, True) from None
-        except aiohttp.ClientError as error:
+        except OSError as error:
             raise RequestFailed(f"connection to {self.base_url} failed: {error!r}", None, True) from None
+        _raise_for_status(response.status, f"{self.base_url}{CHAT_PATH}", response.body)
+        try:
+            return parse_chat_response(json.loads(response.body), profile)
+        except ValueError as error:
+            raise RequestFailed(f"malformed JSON from {self.base_url}: {error}", 200, True) from None
         except ProtocolError as error:
             raise RequestFailed(f"{self.base_url}: {error}", 200, True) from None
-
-
-async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[str]:
-    async for raw in stream:
-        yield raw.decode("utf-8").rstrip("\r\n")
 
 
 def _raise_for_status(status: int, url: str, data: bytes) -> None:

@@ -299,8 +299,6 @@ class ScriptedServer:
             too_long = self._context_refusal(body, message)
             if too_long:
                 return JSONResponse({"error": {"message": too_long, "code": 400}}, status_code=400)
-            if body.get("stream"):
-                return StreamingResponse(self._stream(message), media_type="text/event-stream")
             payload = self._completion(body, message)
             if fault == "reset":
                 return StreamingResponse(_torn(json.dumps(payload)), media_type="application/json")
@@ -352,25 +350,6 @@ class ScriptedServer:
             for choice in payload["choices"]:
                 choice["token_ids"] = completion_ids
         return payload
-
-    async def _stream(self, message: dict[str, Any]):  # type: ignore[no-untyped-def]
-        """Split every text field into small deltas, as vLLM streams them."""
-        first = {"model": self.script.model, "choices": [{"index": 0, "delta": {"role": "assistant"}}]}
-        if self.script.return_token_ids:
-            first["prompt_token_ids"] = list(range(8))
-        yield f"data: {json.dumps(first)}\n\n"
-        for name, text in message.items():
-            if name == "role":
-                continue
-            for start in range(0, len(text), 5):
-                delta = {"index": 0, "delta": {name: text[start:start + 5]}}
-                if self.script.return_token_ids:
-                    delta["token_ids"] = [100 + start // 5]
-                yield f"data: {json.dumps({'model': self.script.model, 'choices': [delta]})}\n\n"
-        last = {"model": self.script.model, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                "usage": {"prompt_tokens": 8, "completion_tokens": 16, "total_tokens": 24}}
-        yield f"data: {json.dumps(last)}\n\n"
-        yield "data: [DONE]\n\n"
 
 
 async def _torn(text: str):  # type: ignore[no-untyped-def]

@@ -24,6 +24,7 @@ from typing import Any
 
 from eagle3_datagen.artifacts import MANIFEST, ShardRef, artifact_path
 from eagle3_datagen.config import ServerConfig, ValidationConfig
+from eagle3_datagen.profiles import ModeSpec
 from eagle3_datagen.protocol import OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
 from tasks.generation.budget import AUTO_CAP, AUTO_START, follow_load
@@ -118,6 +119,9 @@ class GenerationScheduler:
         self.store = store
         self.sequence_source = sequence_source  # sequences.source: whether servers without token ids are refused
         self.settings = settings
+        # each mode's spec, resolved once (a profile without `modes` derives its specs on every look-up)
+        self._mode_specs: dict[str | None, ModeSpec] = {None: settings.profile.mode(None),
+                                                         **settings.profile.mode_specs}
         self.server = server
         self.validation = validation
         self.log = log
@@ -205,7 +209,7 @@ class GenerationScheduler:
         most = AUTO_CAP if auto else limit  # the most an endpoint may have in flight
         self._lookahead = 2 * most * len(self.server.endpoints)
         key = api_key(self.server)
-        clients = [OpenAIClient(url, key, self.server.request_timeout_s, most) for url in self.server.endpoints]
+        clients = [OpenAIClient(url, key, self.server.request_timeout_s) for url in self.server.endpoints]
         self.pool = EndpointPool([Endpoint(c.base_url, c, limit) for c in clients], self.server, self.log)
         modes = [entry.mode for entry in self.settings.generation.mode_mix(self.settings.profile) if entry.weight]
         # by default the window never binds before the budget does (under auto: however far it grows meanwhile)
@@ -237,7 +241,8 @@ class GenerationScheduler:
                 state.close()  # what is pending goes to run storage: a re-run anywhere resumes from it
             self._writer.shutdown()
             self._writing = False
-            await asyncio.gather(*(c.aclose() for c in clients))
+            for client in clients:
+                client.close()
             self._record_findings()
             gc.unfreeze()
         if self._crash is not None:
@@ -340,8 +345,8 @@ class GenerationScheduler:
 
     async def _send(self, prompt: Prompt, slot: tuple[Endpoint, bool] | None) -> Outcome:
         settings = self.settings
-        body = build_chat_request(settings.model, prompt.messages, settings.profile, settings.generation,
-                                  seed=prompt.seed, mode=prompt.mode)
+        body = build_chat_request(settings.model, prompt.messages, self._mode_specs[prompt.mode], settings.generation,
+                                  seed=prompt.seed)
         for attempt in range(self.server.max_retries + 1):
             if slot is None:
                 slot = await self.pool.acquire()

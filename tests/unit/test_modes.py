@@ -103,19 +103,19 @@ def test_without_a_mix_settings_records_and_requests_are_as_before_mixes_existed
 
 def test_each_mode_is_switched_on_its_own_way() -> None:
     messages = [{"role": "user", "content": "hi"}]
-    body = build_chat_request("m", messages, KIMI, GenerationConfig())
+    body = build_chat_request("m", messages, KIMI.mode(None), GenerationConfig())
     assert body["chat_template_kwargs"] == {"thinking": True} and "reasoning_effort" not in body
-    assert build_chat_request("m", messages, KIMI, GenerationConfig(), mode="instant")["chat_template_kwargs"] == \
+    assert build_chat_request("m", messages, KIMI.mode("instant"), GenerationConfig())["chat_template_kwargs"] == \
         {"thinking": False}
-    low = build_chat_request("m", messages, BUILTIN_PROFILES["gpt-oss"], GenerationConfig(), mode="low")
+    low = build_chat_request("m", messages, BUILTIN_PROFILES["gpt-oss"].mode("low"), GenerationConfig())
     assert low["reasoning_effort"] == "low" and "chat_template_kwargs" not in low
     prompted = ModelProfile(reasoning_parser="qwen3", end_of_turn="<|im_end|>", template_writes_start_tag=False,
                             modes={"thinking": ModeSpec(),
                                    "terse": ModeSpec(system_prompt="/no_think", reasoning="absent")})
     with_system = [{"role": "system", "content": "Be kind."}, *messages]
-    assert build_chat_request("m", with_system, prompted, GenerationConfig(), mode="terse")["messages"] == [
+    assert build_chat_request("m", with_system, prompted.mode("terse"), GenerationConfig())["messages"] == [
         {"role": "system", "content": "/no_think\n\nBe kind."}, *messages]
-    assert build_chat_request("m", messages, prompted, GenerationConfig(), mode="terse")["messages"] == [
+    assert build_chat_request("m", messages, prompted.mode("terse"), GenerationConfig())["messages"] == [
         {"role": "system", "content": "/no_think"}, *messages]
 
 
