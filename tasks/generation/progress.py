@@ -22,7 +22,7 @@ from eagle3_datagen.artifacts import TIMELINE, ShardRef, shard_name, ui_key
 from eagle3_datagen.storage import RunStore
 
 PUSH_EVERY_S = 5.0
-SAMPLE_EVERY_S = 0.1  # requests in flight, averaged over each second of the timeline
+SAMPLE_EVERY_S = 0.25  # requests in flight, averaged over each second of the timeline (each wake-up costs CPU)
 TIMELINE_STEP_S = 1.0
 
 ShardCounts = dict[int, dict[str, int]]
