@@ -2,8 +2,9 @@
 
 Why not aiohttp: its per-request work in Python is most of what a generation client spends CPU on. Measured at 64
 in flight, reading reasoning and token ids: against a server answering in ~500 ms, where each answer wakes the
-event loop by itself, aiohttp took 0.68 ms of CPU per request and this 0.42 ms; answered at once, 0.21 ms and
-0.11 ms (`benchmarks/generation_utilization.py --phases clients`).
+event loop by itself, aiohttp took 0.53-0.68 ms of CPU per request and this 0.28-0.42 ms (1.6-1.9×); answered at
+once, 0.18-0.21 ms and 0.07-0.11 ms (1.8-2.4×; two runs of `benchmarks/generation_utilization.py --phases
+clients`).
 
 It does only what the client needs: one server, whole bodies framed by Content-Length or chunked encoding, no
 redirects, cookies, proxies or compression. Concurrency is bounded by the caller (the in-flight budget): one

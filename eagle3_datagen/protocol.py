@@ -190,10 +190,10 @@ class OpenAIClient:
     """A small async client for one vLLM endpoint; the API key comes from the environment only.
 
     Not the openai SDK, because of its cost per request: at 64 in flight, reading reasoning and token ids, the SDK
-    spends 12× (its aiohttp transport) to 20× (its default httpx one) the CPU of this client against a server that
-    answers at once, 5× to 7× against one answering in ~500 ms (`benchmarks/generation_utilization.py --phases
-    clients`; 1.4-2.8 ms per request). At a thousand requests a second the SDK alone would need a core or two.
-    The body is plain JSON: vLLM's extra fields need no `extra_body`.
+    spends 12-14× (its aiohttp transport) to 20-25× (its default httpx one) the CPU of this client against a
+    server that answers at once, 5-7× to 7-8× against one answering in ~500 ms (1.1-2.8 ms per request; two runs
+    of `benchmarks/generation_utilization.py --phases clients`). At a thousand requests a second the SDK alone
+    would need a core or two. The body is plain JSON: vLLM's extra fields need no `extra_body`.
     """
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float) -> None:
