@@ -1,6 +1,6 @@
 """The OpenAI-protocol client: request bodies, response shapes, and reading reasoning from every form servers send.
 
-Plain HTTP (`http_client`), not the OpenAI SDK: a sixth of the SDK's CPU per request or less, measured (see
+Plain HTTP (`http_client`), not the OpenAI SDK: a fifth of the SDK's CPU per request or less, measured (see
 `OpenAIClient`).
 Responses are read here in every form servers send: the reasoning field has had three names (`reasoning`,
 `reasoning_content`, inline `<think>` tags).
