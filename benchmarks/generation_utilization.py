@@ -503,7 +503,8 @@ def main() -> None:
                         help="requests per client per round at 500 ms")
     parser.add_argument("--client-rounds", type=int, default=3)
     parser.add_argument("--vllm-requests", type=int, default=2000, help="requests per run on the vLLM server")
-    parser.add_argument("--vllm-rounds", type=int, default=3, help="runs of each setting, interleaved")
+    parser.add_argument("--vllm-rounds", type=int, default=5,
+                        help="runs of each setting, interleaved (one setting's runs spread by up to a quarter)")
     parser.add_argument("--vllm-max-tokens", type=int, default=128)
     parser.add_argument("--vllm-budgets", type=int, nargs="+", default=[32, 64, 128, 256])
     parser.add_argument("--cli-requests", type=int, default=3000, help="prompts of each end-to-end run")
