@@ -1,13 +1,14 @@
 """`server.max_in_flight: auto`: each endpoint's budget follows the server's own load, read from vLLM's /metrics.
 
-The budget grows while (almost) nothing waits in the server's queue and its KV cache has room, and shrinks to
-what the server runs plus a queue when more than that waits or the cache is full. The queue, a quarter of the
-budget, is what keeps the engine fed: a finished request is replaced from it at once, while its successor is
-still on its way through the client and the server's front end (on the vLLM CPU server, whose front end shares
-the cores, a queue of a sixteenth starved the engine: 0.85x the throughput of a fixed budget of twice what it
-runs). As in TCP, the budget doubles until the server first pushes back, then grows by a sixteenth, so it stays
-near the server's limit instead of swinging around it. A fixed budget is either too small for a big server or a
-long queue on a small one; this one keeps every endpoint just saturated whatever its size.
+The budget grows while few requests wait in the server's queue and its KV cache has room, and shrinks to what
+the server runs plus a queue when more than that waits or the cache is full. The queue, half the budget, is what
+keeps the engine fed: a finished request is replaced from it at once, while its successor is still on its way
+through the client and the server's front end. On the vLLM CPU server, whose front end shares the cores, a queue
+of a sixteenth gave 0.85x the throughput of a fixed budget of twice what the server runs, and a quarter 0.92x
+(`benchmarks/generation_utilization.py --phases auto`); waiting requests hold no KV cache, so a deep queue costs
+the server nothing. As in TCP, the budget doubles until the server first pushes back, then grows by a sixteenth,
+so it stays near the server's limit instead of swinging around it. A fixed budget is either too small for a big
+server or a long queue on a small one; this one keeps every endpoint just saturated whatever its size.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ AUTO_CAP = 1024  # never more in flight to one endpoint
 FOLLOW_EVERY_S = 0.5
 KV_CACHE_FULL = 0.95  # share of the KV cache in use past which the server preempts
 KV_CACHE_ROOM = 0.85  # below this share there is room for more requests
-QUEUE_SHARE = 4  # up to a budget's quarter may wait in the server's queue; it grows while a sixteenth or less waits
+QUEUE_SHARE = 2  # up to half the budget may wait in the server's queue; it grows while a quarter or less waits
 
 def next_limit(limit: int, peak_in_flight: int, load: ServerLoad, pushed_back: bool = False) -> int:
     """The next budget of an endpoint, from its current one, the most it had in flight lately, its load, and

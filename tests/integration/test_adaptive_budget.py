@@ -19,7 +19,7 @@ from tasks.generation import GenerationSettings, generate_shards
 from tasks.health import check_servers_async
 
 
-def test_auto_grows_the_budget_to_what_the_server_runs_and_keeps_a_queue_of_a_quarter(tmp_path: Path) -> None:
+def test_auto_grows_the_budget_to_what_the_server_runs_and_keeps_a_queue_of_at_most_half(tmp_path: Path) -> None:
     store = RunStore(str(tmp_path), "auto")
     rows = [{"id": f"p{i}", "row": i, "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(1500)]
     refs = [store.write_shard("prompts", k, rows[k * 500:(k + 1) * 500]) for k in range(3)]
@@ -33,8 +33,8 @@ def test_auto_grows_the_budget_to_what_the_server_runs_and_keeps_a_queue_of_a_qu
     assert server.log.max_in_flight >= runs_at_once, "the budget grew until the server was saturated"
     steady = [count for _, count in samples[len(samples) // 2:-runs_at_once * 2]]
     # within 10% below: on a loaded 2-core machine the client itself sometimes lags the server by a few requests
-    assert 0.9 * runs_at_once <= statistics.median(steady) <= runs_at_once * 4 / 3 + 2, \
-        "saturated, with a queue of at most a quarter of the budget"
+    assert 0.9 * runs_at_once <= statistics.median(steady) <= runs_at_once * 2 + 2, \
+        "saturated, with a queue of at most half the budget"
 
 
 def test_auto_refuses_a_server_that_reports_no_load() -> None:

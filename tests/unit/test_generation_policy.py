@@ -80,12 +80,14 @@ def test_the_budget_grows_only_while_it_is_used_and_the_server_has_room() -> Non
         "but without waiting for every request to be counted: some are in the server's pre- or post-processing"
 
 
-def test_the_budget_shrinks_to_what_runs_plus_a_quarter_when_more_wait_or_the_cache_is_full() -> None:
-    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=40, waiting=24, kv_cache_usage=0.5)) == 56
-    assert next_limit(128, peak_in_flight=128, load=ServerLoad(running=50, waiting=0, kv_cache_usage=0.97)) == 82
-    assert next_limit(8, peak_in_flight=8, load=ServerLoad(running=0, waiting=30, kv_cache_usage=None)) == 2
-    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=48, waiting=10, kv_cache_usage=0.5)) == 64, \
-        "a queue within a quarter of the budget is kept: it feeds the engine while successors are on their way"
+def test_the_budget_shrinks_to_what_runs_plus_a_half_when_more_wait_or_the_cache_is_full() -> None:
+    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=20, waiting=40, kv_cache_usage=0.5)) == 52
+    assert next_limit(128, peak_in_flight=128, load=ServerLoad(running=50, waiting=0, kv_cache_usage=0.97)) == 114
+    assert next_limit(8, peak_in_flight=8, load=ServerLoad(running=0, waiting=30, kv_cache_usage=None)) == 4
+    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=32, waiting=24, kv_cache_usage=0.5)) == 64, \
+        "a queue within half the budget is kept: it feeds the engine while successors are on their way"
+    assert next_limit(64, peak_in_flight=64, load=ServerLoad(running=48, waiting=10, kv_cache_usage=0.5)) == 128, \
+        "and it grows while a quarter of the budget or less waits"
 
 
 def test_vllm_metrics_are_summed_over_engines_and_histograms_ignored() -> None:
