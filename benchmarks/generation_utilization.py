@@ -391,6 +391,9 @@ async def _drive(call: Callable[[int], Awaitable[Any]], requests: int, concurren
     return (time.process_time() - began) / requests
 
 
+PROJECT = "project (httptools)"
+
+
 async def _client_costs(url: str, requests: int, concurrency: int) -> dict[str, float]:
     """One round of each client against the same server, reading reasoning and token ids as the stage does."""
     import aiohttp
@@ -421,9 +424,6 @@ async def _client_costs(url: str, requests: int, concurrency: int) -> dict[str, 
 
             costs[name] = await _drive(call, requests, concurrency)
     return costs
-
-
-PROJECT = "project (httptools)"
 
 
 def clients_phase(args: argparse.Namespace) -> None:

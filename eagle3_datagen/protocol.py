@@ -240,9 +240,11 @@ class OpenAIClient:
             raise RequestFailed(f"connection to {self.base_url} failed: {error!r}", None, True) from None
         _raise_for_status(response.status, f"{self.base_url}{CHAT_PATH}", response.body)
         try:
-            return parse_chat_response(json.loads(response.body), profile)
+            payload = json.loads(response.body)
         except ValueError as error:
             raise RequestFailed(f"malformed JSON from {self.base_url}: {error}", 200, True) from None
+        try:
+            return parse_chat_response(payload, profile)
         except ProtocolError as error:
             raise RequestFailed(f"{self.base_url}: {error}", 200, True) from None
 
