@@ -1,7 +1,8 @@
 """The in-flight budget of a run's endpoints: who gets the next slot, and when a failing endpoint is given up on.
 
 Everything here runs on one event loop with no await between reading and changing state, so there is no lock:
-a request waits on a future of its own, woken one at a time as slots free up (FIFO, like asyncio.Semaphore).
+a request waits on a future of its own, woken one at a time as slots free up (FIFO, like asyncio.Semaphore),
+retries before new prompts: a prompt already started is finished first, so its shard is finalized sooner.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class EndpointPool:
         self.endpoints = endpoints
         self._server = server
         self._log = log
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[asyncio.Future[None]] = deque()  # new prompts
+        self._retries: deque[asyncio.Future[None]] = deque()  # prompts that failed once and wait to try again
         self._timers: list[asyncio.TimerHandle] = []
         self.last_success = time.monotonic()
         self.last_error = ""
@@ -79,14 +81,15 @@ class EndpointPool:
         best.peak_in_flight = max(best.peak_in_flight, best.in_flight)
         return best, trial
 
-    async def acquire(self) -> tuple[Endpoint, bool] | None:
-        """(endpoint, is a trial of a down endpoint) with a slot taken; None once the pool has given up."""
+    async def acquire(self, retry: bool = False) -> tuple[Endpoint, bool] | None:
+        """(endpoint, is a trial of a down endpoint) with a slot taken; None once the pool has given up. A `retry`
+        is woken before any new prompt."""
         while self.gave_up is None:
             slot = self._take(time.monotonic())
             if slot is not None:
                 return slot
             waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
+            (self._retries if retry else self._waiters).append(waiter)
             try:
                 await waiter
             except asyncio.CancelledError:
@@ -97,29 +100,38 @@ class EndpointPool:
 
     def wake(self, count: int | None = None) -> None:
         """Let `count` waiting requests (all when None) look for a slot again."""
-        while self._waiters and (count is None or count > 0):
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                count = None if count is None else count - 1
+        for waiters in (self._retries, self._waiters):
+            while waiters and (count is None or count > 0):
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)
+                    count = None if count is None else count - 1
 
-    def release(self, endpoint: Endpoint, trial: bool, error: RequestFailed | None) -> None:
-        """Return a slot; `error` is a server or transport failure (a refusal is a healthy answer)."""
-        endpoint.in_flight -= 1
+    def release(self, endpoint: Endpoint, trial: bool, error: RequestFailed | None, carry_on: bool = False) -> bool:
+        """Return a slot; `error` is a server or transport failure (a refusal is a healthy answer).
+
+        With `carry_on` (the caller has another prompt to send at once) the slot is kept instead, and True returned,
+        when the request succeeded on an endpoint that is up and within its limit and no retry waits for a slot.
+        """
         endpoint.trial_in_flight &= not trial
         now = time.monotonic()
         changed = False
         if error is None:
-            changed = self._succeeded(endpoint, trial, now)
+            changed = self._succeeded(endpoint, trial, now)  # a success never makes the run give up: no check
         else:
             self._answered_broken(endpoint, error)
             if not endpoint.dead and (endpoint.down_since is None or trial):
                 self._failed(endpoint, trial, error, now)
-        self.check(now)
+            self.check(now)
+        if (carry_on and error is None and not changed and self.gave_up is None and not self._retries
+                and endpoint.down_since is None and not endpoint.dead and endpoint.in_flight <= endpoint.limit):
+            return True
+        endpoint.in_flight -= 1
         self.wake(None if changed or self.gave_up is not None else 1)
+        return False
 
     def give_back(self, endpoint: Endpoint, trial: bool) -> None:
-        """Return the slot of a request that was cancelled: it says nothing about the endpoint."""
+        """Return a slot without a verdict on the endpoint (its request was cancelled, or never sent)."""
         endpoint.in_flight -= 1
         endpoint.trial_in_flight &= not trial
         self.wake(1)

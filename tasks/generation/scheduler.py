@@ -1,16 +1,17 @@
 """Chat completions for every prompt of a run, with one in-flight budget per endpoint shared by all shards.
 
 Shards are the unit of storage and re-runs, not of concurrency: a request starts the moment any slot frees up,
-whatever shard it belongs to. One dispatcher takes a slot, then a prompt, and starts its request; nothing else
-waits on a slot but retries. Failure is bounded: an endpoint that keeps failing is backed off (one warning when
-it goes down, one when it recovers), and the run gives up, keeping what it finished, once no endpoint is left or
-none has succeeded for `server.give_up_after_s`. Stage verdicts are UserErrors, never retried by Prefect.
+whatever shard it belongs to. One dispatcher takes a slot, then a prompt, and starts its request; once the run is
+open, a request that ends carries on with the next prompt on its slot, so the dispatcher only fills slots that
+free up or are added; retries wait for slots before new prompts. Failure is bounded: an endpoint that keeps
+failing is backed off (one warning when it goes down, one when it recovers), and the run gives up, keeping what it
+finished, once no endpoint is left or none has succeeded for `server.give_up_after_s`. Stage verdicts are
+UserErrors, never retried by Prefect.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import random
 import selectors
@@ -93,10 +94,6 @@ async def shared_budget(server: ServerConfig) -> Callable[[str], AbstractAsyncCo
     return lambda url: concurrency(budget_limit_name(url), occupy=1, strict=True)
 
 
-def _no_shared_budget(url: str) -> AbstractAsyncContextManager[None]:
-    return contextlib.nullcontext()
-
-
 @dataclass
 class _Counts:
     accepted: int = 0  # prompts answered (their records kept)
@@ -142,7 +139,7 @@ class GenerationScheduler:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="generation-writer")
         self._swept = False  # shards completed inside the window were finalized once it passed
         self._kept_before = False  # the run already held records when this attempt started
-        self._run_budget: Callable[[str], AbstractAsyncContextManager[Any]] = _no_shared_budget
+        self._run_budget: Callable[[str], AbstractAsyncContextManager[Any]] | None = None  # shared across runs
         # a run in object storage keeps its partial logs there too, in segments written by the writer thread
         self._spill = None if store.local_path("generations") else self._spill_segment
         self._writing = True
@@ -178,18 +175,23 @@ class GenerationScheduler:
         for index in [i for i, state in self.states.items() if state.complete]:
             self.finished[index] = finalize_shard(self.store, self.states.pop(index))
 
-    async def _refill(self) -> None:
+    def _read_ahead(self) -> None:
         """Queue the next shards' unanswered prompts while fewer than a budget's worth wait: memory holds a few
         shards' prompts, whatever the run's size. A shard is read in a thread while the queue still feeds the
-        requests (a read from object storage takes tens of ms); the dispatcher waits for it only on an empty queue.
+        requests (a read from object storage takes tens of ms).
         """
-        while True:
-            if self._reading is None and len(self.queue) < self._lookahead and self._unqueued:
-                self._reading = asyncio.ensure_future(asyncio.to_thread(self._unanswered, self._unqueued.popleft()))
-            if self._reading is None or (self.queue and not self._reading.done()):
-                return
-            self.queue.extend(await self._reading)
+        if self._reading is not None and self._reading.done():
+            self.queue.extend(self._reading.result())
             self._reading = None
+        if self._reading is None and len(self.queue) < self._lookahead and self._unqueued:
+            self._reading = asyncio.ensure_future(asyncio.to_thread(self._unanswered, self._unqueued.popleft()))
+
+    async def _refill(self) -> None:
+        """Read ahead; on an empty queue, wait for the shard being read."""
+        self._read_ahead()
+        while not self.queue and self._reading is not None:
+            await asyncio.wait([self._reading])
+            self._read_ahead()
 
     def _unanswered(self, ref: ShardRef) -> list[Prompt]:
         seed_base, done = self.settings.generation.seed, self.states[ref.index].entries
@@ -270,6 +272,9 @@ class GenerationScheduler:
             if self.probation.error is not None:  # judged while this slot was awaited
                 self.pool.give_back(*slot)
                 break
+            if not self.queue:  # emptied by requests carrying on while this slot was awaited
+                self.pool.give_back(*slot)
+                continue
             prompt = self.queue.popleft()
             if admission == "window":
                 self._window.append(prompt)
@@ -280,7 +285,22 @@ class GenerationScheduler:
             await asyncio.wait(set(self._requests))
 
     async def _request(self, prompt: Prompt, slot: tuple[Endpoint, bool]) -> None:
-        outcome = await self._send(prompt, slot)
+        """Ask `prompt`, then the next ones on the same slot while the pool lets it carry on: a request carrying
+        on costs no new task and no turn of the dispatcher (a sixth of the stage's Python calls per request, profiled
+        at zero server latency)."""
+        while True:
+            outcome, kept = await self._send(prompt, slot)
+            self._keep(prompt, outcome)
+            if kept is None:
+                return
+            self._read_ahead()
+            if not self.queue or self.probation.error is not None:
+                self.pool.give_back(*kept)
+                return
+            prompt, slot = self.queue.popleft(), kept
+
+    def _keep(self, prompt: Prompt, outcome: Outcome) -> None:
+        """Log how `prompt` ended in its shard's state and judge it in the probation."""
         if outcome.abandoned:
             self.probation.abandon()
             return
@@ -343,26 +363,31 @@ class GenerationScheduler:
         self._writes[index] = asyncio.get_running_loop().run_in_executor(
             self._writer, finalize_shard, self.store, state)
 
-    async def _send(self, prompt: Prompt, slot: tuple[Endpoint, bool] | None) -> Outcome:
+    async def _send(self, prompt: Prompt, slot: tuple[Endpoint, bool] | None
+                    ) -> tuple[Outcome, tuple[Endpoint, bool] | None]:
+        """How `prompt` ended, and the slot when the pool let this request keep it for the next prompt."""
         settings = self.settings
         body = build_chat_request(settings.model, prompt.messages, self._mode_specs[prompt.mode], settings.generation,
                                   seed=prompt.seed)
         for attempt in range(self.server.max_retries + 1):
             if slot is None:
-                slot = await self.pool.acquire()
+                slot = await self.pool.acquire(retry=True)
                 if slot is None:
-                    return Outcome(abandoned=True)
+                    return Outcome(abandoned=True), None
             endpoint, trial = slot
             try:
-                async with self._run_budget(endpoint.url):
+                if self._run_budget is None:
                     completions = await endpoint.client.chat(body, settings.profile)
+                else:
+                    async with self._run_budget(endpoint.url):
+                        completions = await endpoint.client.chat(body, settings.profile)
             except RequestFailed as error:
                 self.pool.release(endpoint, trial, error if error.retryable else None)
                 if not error.retryable:
-                    return Outcome(endpoint.url, refusal=str(error), mode=prompt.mode)
+                    return Outcome(endpoint.url, refusal=str(error), mode=prompt.mode), None
                 if attempt == self.server.max_retries:
                     self.log.debug("record %s not generated after %d tries: %s", prompt.record_id, attempt + 1, error)
-                    return Outcome(endpoint.url, mode=prompt.mode)
+                    return Outcome(endpoint.url, mode=prompt.mode), None
                 self.counts.retries += 1
                 slot = None
                 await asyncio.sleep(self.server.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5))
@@ -370,8 +395,9 @@ class GenerationScheduler:
             except BaseException:  # cancelled: the slot goes back without a verdict on the endpoint
                 self.pool.give_back(endpoint, trial)
                 raise
-            self.pool.release(endpoint, trial, None)
-            return Outcome(endpoint.url, completions=completions, mode=prompt.mode)
+            carry_on = self.probation.passed and self.probation.error is None and bool(self.queue)
+            kept = self.pool.release(endpoint, trial, None, carry_on)
+            return Outcome(endpoint.url, completions=completions, mode=prompt.mode), slot if kept else None
         raise AssertionError("unreachable")
 
     def _remaining(self) -> int:

@@ -4,6 +4,7 @@ with the server's load, and how a stall of the event loop is measured. Pure func
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -12,8 +13,9 @@ from early_abort_answers import ENDPOINT, answer, judge
 from eagle3_datagen.config import ServerConfig, ValidationConfig, parse_config
 from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.profiles import BUILTIN_PROFILES
-from eagle3_datagen.protocol import Completion, ServerLoad, parse_metrics
+from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, ServerLoad, parse_metrics
 from tasks.generation.budget import next_limit
+from tasks.generation.pool import Endpoint, EndpointPool
 from tasks.generation.probation import EmptyReasoningTest, Outcome, Probation
 from tasks.generation.scheduler import StallClock
 
@@ -124,3 +126,32 @@ def test_the_stall_clock_reports_the_longest_time_the_event_loop_could_not_poll(
     with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(clock)) as runner:
         runner.run(blocks_once())
     assert 0.3 <= clock.longest_s < 3
+
+
+def test_a_finished_request_keeps_its_slot_for_the_next_prompt_only_while_nothing_else_needs_it() -> None:
+    async def scenario() -> None:
+        endpoint = Endpoint(ENDPOINT, OpenAIClient(ENDPOINT, None, 5.0), limit=2)
+        pool = EndpointPool([endpoint], ServerConfig(endpoints=[ENDPOINT]), logging.getLogger("test"))
+        first, second = await pool.acquire(), await pool.acquire()
+        assert first is not None and second is not None
+        assert pool.release(*first, None, carry_on=True), "a success on a healthy endpoint within its limit"
+        assert endpoint.in_flight == 2
+        assert not pool.release(*first, RequestFailed("HTTP 503", 503, True), carry_on=True), "not after a failure"
+        assert endpoint.in_flight == 1
+        first = await pool.acquire()
+        assert first is not None
+        endpoint.limit = 1  # the adaptive budget shrank
+        assert not pool.release(*first, None, carry_on=True) and endpoint.in_flight == 1
+
+        new_prompt = asyncio.create_task(pool.acquire())
+        retry = asyncio.create_task(pool.acquire(retry=True))
+        await asyncio.sleep(0)
+        assert not pool.release(*second, None, carry_on=True), "a retry waits: it gets the slot"
+        await asyncio.sleep(0)
+        assert retry.done() and not new_prompt.done(), "a retry is woken before a new prompt that waited longer"
+        slot = retry.result()
+        assert slot is not None
+        pool.give_back(*slot)
+        assert await new_prompt == (endpoint, False)
+
+    asyncio.run(scenario())
