@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
+
 from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sample_id, sha256_hex
 from eagle3_datagen.config import GenerationConfig
 from eagle3_datagen.errors import UserError
@@ -139,7 +141,7 @@ def kept_form(entry: dict[str, Any]) -> dict[str, Any]:
     """
     if "records" not in entry:
         return entry
-    return {"position": entry["position"], "lines": [json.dumps(r, ensure_ascii=False) for r in entry["records"]]}
+    return {"position": entry["position"], "lines": [orjson.dumps(r).decode() for r in entry["records"]]}
 
 
 def log_line(entry: dict[str, Any]) -> str:
