@@ -1,5 +1,6 @@
 """The decisions generation takes on its own: when the early-abort window lets a run go, how `auto` moves a budget
-with the server's load, and how a stall of the event loop is measured. Pure functions and small classes, no server."""
+with the server's load, who gets a slot that frees up, and how a stall of the event loop is measured. Pure functions
+and small classes, no server."""
 
 from __future__ import annotations
 
