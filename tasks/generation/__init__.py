@@ -7,6 +7,8 @@ more, and `records` keeps what was answered (partial logs, finished shards, the 
 
 from __future__ import annotations
 
+import time
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -51,15 +53,15 @@ def generate(
     scheduler = GenerationScheduler(store, settings, server, validation, get_run_logger(),
                                     sequence_source=sequence_source)
 
-    def in_flight() -> int:
+    def in_flight_integral() -> tuple[float, float]:
         pool = getattr(scheduler, "pool", None)  # built once the run starts
-        return sum(endpoint.in_flight for endpoint in pool.endpoints) if pool else 0
+        return pool.in_flight_integral() if pool else (0.0, time.monotonic())
 
     def finished() -> int:
         return scheduler.counts.accepted + scheduler.counts.rejected + scheduler.counts.failed
 
     with LiveProgress(store, run_name, prompt_shards, settings.generation.n, scheduler.shard_counts, finished,
-                      in_flight) as progress:
+                      in_flight_integral) as progress:
         scheduler.on_progress = progress.set
         try:
             return scheduler.run(prompt_shards)

@@ -56,6 +56,9 @@ class EndpointPool:
         self._waiters: deque[asyncio.Future[None]] = deque()  # new prompts
         self._retries: deque[asyncio.Future[None]] = deque()  # prompts that failed once and wait to try again
         self._timers: list[asyncio.TimerHandle] = []
+        # requests in flight on all endpoints, and their integral over time (request-seconds) up to a moment:
+        # replaced whole, so the progress thread reads a consistent one
+        self._tally: tuple[int, float, float] = (0, 0.0, time.monotonic())
         self.last_success = time.monotonic()
         self.last_error = ""
         self.gave_up: str | None = None
@@ -79,7 +82,19 @@ class EndpointPool:
         best.trial_in_flight |= trial
         best.in_flight += 1
         best.peak_in_flight = max(best.peak_in_flight, best.in_flight)
+        self._count(1, now)
         return best, trial
+
+    def _count(self, change: int, now: float) -> None:
+        count, area, at = self._tally
+        self._tally = (count + change, area + count * (now - at), now)
+
+    def in_flight_integral(self) -> tuple[float, float]:
+        """Requests in flight integrated over time since the pool was made (request-seconds), and the monotonic
+        time it is counted to: the mean in flight between two readings, exactly (safe from any thread)."""
+        count, area, at = self._tally
+        now = time.monotonic()
+        return area + count * (now - at), now
 
     async def acquire(self, retry: bool = False) -> tuple[Endpoint, bool] | None:
         """(endpoint, is a trial of a down endpoint) with a slot taken; None once the pool has given up. A `retry`
@@ -127,6 +142,7 @@ class EndpointPool:
                 and endpoint.down_since is None and not endpoint.dead and endpoint.in_flight <= endpoint.limit):
             return True
         endpoint.in_flight -= 1
+        self._count(-1, now)
         self.wake(None if changed or self.gave_up is not None else 1)
         return False
 
@@ -134,6 +150,7 @@ class EndpointPool:
         """Return a slot without a verdict on the endpoint (its request was cancelled, or never sent)."""
         endpoint.in_flight -= 1
         endpoint.trial_in_flight &= not trial
+        self._count(-1, time.monotonic())
         self.wake(1)
 
     def _succeeded(self, endpoint: Endpoint, trial: bool, now: float) -> bool:

@@ -22,8 +22,7 @@ from eagle3_datagen.artifacts import TIMELINE, ShardRef, shard_name, ui_key
 from eagle3_datagen.storage import RunStore
 
 PUSH_EVERY_S = 5.0
-SAMPLE_EVERY_S = 0.25  # requests in flight, averaged over each second of the timeline (each wake-up costs CPU)
-TIMELINE_STEP_S = 1.0
+TIMELINE_STEP_S = 1.0  # the thread wakes once per step: a wake-up costs 0.1-0.25 ms of CPU on a VM
 
 ShardCounts = dict[int, dict[str, int]]
 
@@ -51,43 +50,41 @@ def shard_rows(prompt_shards: list[ShardRef], counts: ShardCounts, samples_per_p
 
 
 class Timeline:
-    """Generation over time, one row per second: prompts finished by then, mean requests in flight during it."""
+    """Generation over time, one row per step: prompts finished by then, mean requests in flight during it (exact:
+    from the pool's integral of requests in flight and the time it is counted to, nothing sampled in between)."""
 
-    def __init__(self, finished: int) -> None:
+    def __init__(self, finished: int, integral: tuple[float, float]) -> None:
         self.started = time.time()
         self.rows: list[dict[str, float]] = [{"t": 0.0, "done": finished, "in_flight": 0.0}]
-        self._in_flight: list[int] = []
+        self._began = self._last = integral[1]
+        self._area = integral[0]
 
-    def sample(self, finished: int, in_flight: int) -> None:
-        self._in_flight.append(in_flight)
-        if time.time() - self.started - self.rows[-1]["t"] >= TIMELINE_STEP_S:
-            self.close_step(finished)
-
-    def close_step(self, finished: int) -> None:
-        if self._in_flight:
-            self.rows.append({"t": round(time.time() - self.started, 3), "done": finished,
-                              "in_flight": sum(self._in_flight) / len(self._in_flight)})
-            self._in_flight = []
+    def close_step(self, finished: int, integral: tuple[float, float]) -> None:
+        area, at = integral
+        if at > self._last:
+            self.rows.append({"t": round(at - self._began, 3), "done": finished,
+                              "in_flight": (area - self._area) / (at - self._last)})
+            self._area, self._last = area, at
 
 
 class LiveProgress:
     """The progress and per-shard artifacts, pushed from a thread through one client kept for the whole run: the
-    event loop never waits on the Prefect API. Between pushes it samples the timeline (`finished` prompts and
-    requests `in_flight`, both cheap to read), written to the run's storage at the end, appended: each attempt
-    of a resumed run adds its own."""
+    event loop never waits on the Prefect API. Between pushes it adds a step to the timeline each second
+    (`finished` prompts and the pool's `in_flight_integral`, both cheap to read), written to the run's storage at the
+    end, appended: each attempt of a resumed run adds its own."""
 
     def __init__(self, store: RunStore, run_name: str, prompt_shards: list[ShardRef], samples_per_prompt: int,
                  shard_counts: Callable[[], ShardCounts], finished: Callable[[], int],
-                 in_flight: Callable[[], int]) -> None:
+                 in_flight_integral: Callable[[], tuple[float, float]]) -> None:
         self._store = store
         self._shards = prompt_shards
         self._samples_per_prompt = samples_per_prompt
         self._shard_counts = shard_counts
         self._finished = finished
-        self._in_flight = in_flight
+        self._in_flight_integral = in_flight_integral
         self._percent = self._shown = 0.0
         self._rows_shown = ""
-        self._timeline = Timeline(finished())
+        self._timeline = Timeline(finished(), in_flight_integral())
         self._ended = False
         self._progress_id = create_progress_artifact(
             0.0, key=ui_key(run_name, "generation-progress"), description=f"generation of {run_name}")
@@ -107,8 +104,8 @@ class LiveProgress:
     def _push(self) -> None:
         with get_client(sync_client=True) as client:
             pushed = time.monotonic()
-            while not self._stop.wait(SAMPLE_EVERY_S):
-                self._timeline.sample(self._finished(), self._in_flight())
+            while not self._stop.wait(TIMELINE_STEP_S):
+                self._timeline.close_step(self._finished(), self._in_flight_integral())
                 if time.monotonic() - pushed >= PUSH_EVERY_S:
                     self._flush(client)
                     pushed = time.monotonic()
@@ -134,7 +131,7 @@ class LiveProgress:
         self._stop.set()
         self._thread.join(timeout=PUSH_EVERY_S * 2)
         timeline = self._timeline
-        timeline.close_step(self._finished())
+        timeline.close_step(self._finished(), self._in_flight_integral())
         if timeline.rows[-1]["done"] > timeline.rows[0]["done"]:
             previous = self._store.read_jsonl(TIMELINE) if self._store.exists(TIMELINE) else []
             self._store.write_jsonl(TIMELINE, [*previous, *({"started_at": timeline.started, **row}

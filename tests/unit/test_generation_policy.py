@@ -1,6 +1,6 @@
 """The decisions generation takes on its own: when the early-abort window lets a run go, how `auto` moves a budget
-with the server's load, who gets a slot that frees up, and how a stall of the event loop is measured. Pure functions
-and small classes, no server."""
+with the server's load, who gets a slot that frees up, the timeline's mean in flight, and how a stall of the event
+loop is measured. Pure functions and small classes, no server."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, Ser
 from tasks.generation.budget import next_limit
 from tasks.generation.pool import Endpoint, EndpointPool
 from tasks.generation.probation import EmptyReasoningTest, Outcome, Probation
+from tasks.generation.progress import Timeline
 from tasks.generation.scheduler import StallClock
 
 
@@ -156,3 +157,27 @@ def test_a_finished_request_keeps_its_slot_for_the_next_prompt_only_while_nothin
         assert await new_prompt == (endpoint, False)
 
     asyncio.run(scenario())
+
+
+def test_the_timeline_shows_the_exact_mean_in_flight_of_each_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    endpoint = Endpoint(ENDPOINT, OpenAIClient(ENDPOINT, None, 5.0), limit=4)
+    pool = EndpointPool([endpoint], ServerConfig(endpoints=[ENDPOINT]), logging.getLogger("test"))
+    timeline = Timeline(finished=0, integral=pool.in_flight_integral())
+
+    async def two_requests() -> tuple[tuple[Endpoint, bool] | None, ...]:
+        return await pool.acquire(), await pool.acquire()
+
+    first, second = asyncio.run(two_requests())
+    assert first is not None and second is not None
+    clock[0] = 101.0
+    assert pool.release(*first, None, carry_on=True), "carrying on: still two in flight"
+    clock[0] = 102.0
+    pool.release(*first, None)
+    timeline.close_step(finished=1, integral=pool.in_flight_integral())
+    clock[0] = 104.0
+    pool.give_back(*second)
+    clock[0] = 105.0
+    timeline.close_step(finished=1, integral=pool.in_flight_integral())
+    assert [(row["t"], row["in_flight"]) for row in timeline.rows] == [(0.0, 0.0), (2.0, 2.0), (5.0, 2 / 3)]
