@@ -138,9 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     _prefect_defaults()
     args = build_parser().parse_args(argv)
     if args.command in RUNS_A_FLOW:
-        from cli.local_api import start_local_api
+        from cli.local_api import import_uncollected, start_local_api
 
         start_local_api()  # Prefect's temporary API boots while the rest imports
+        import_uncollected("cli.runner", "eagle3_datagen.config", "flows.pipeline")
     from cli.logs import silence_prefect_console
     from eagle3_datagen.errors import UserError
 

@@ -367,7 +367,7 @@ def _temporary_apis() -> set[int]:
     found = set()
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if b"prefect.server.api.server:create_app" in cmdline.read_bytes():
+            if b"\x00-m\x00cli.local_api\x00" in cmdline.read_bytes():
                 found.add(int(cmdline.parent.name))
         except OSError:
             pass
