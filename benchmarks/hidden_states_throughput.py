@@ -13,14 +13,14 @@ For each model it prints, measured in one run so the machine's noise cancels out
     memory) and of reading it back (`read_hidden_state_shard`, which decodes), and fp8's cosine per row (token x
     layer) to the bf16 row, as the shard index records it.
 
-Models: the repo's tiny model ($EAGLE3_TINY_MODEL, built by `make setup`) and a random Qwen3 with hidden 1024
-and 8 layers, saved to a temporary folder. The compression phase uses the tiny model's states (transformers
+Models: the repo's tiny model ($EAGLE3_TINY_MODEL, built by `make setup`) and random Qwen3 models (hidden 1024
+and 8 layers unless --random-models says otherwise), saved to a temporary folder. The compression phase uses the tiny model's states (transformers
 backend, bf16) and synthetic states with the scales of a real LLM's residual stream, which no random model has:
 see `synthetic_states`. Usage:
 
     .venv/bin/python benchmarks/hidden_states_throughput.py [--tokens 16000] [--repeats 3] [--dtype float32]
         [--rss-shards 32,128,384] [--rss-part-mib 16] [--synthetic-tokens 8000] [--massive 2000]
-        [--phases throughput,rss,compression]
+        [--phases throughput,rss,compression] [--device-map cuda] [--random-models 1024x8,4096x16]
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ def write_sequences(store: RunStore, lengths: list[int], vocab_size: int, seed: 
 def bare_forward(target: TargetModel, store: RunStore, shard: ShardRef, settings: HiddenStatesConfig) -> None:
     """The stage's batches through the model and nothing else: the floor the stage is measured against."""
     sequences = read_sequences(store, shard, target.vocab_size)
+    device = target.base.get_input_embeddings().weight.device
     for batch in plan_batches([len(s.input_ids) for s in sequences], settings.max_tokens_per_batch):
         longest = max(len(sequences[i].input_ids) for i in batch)
         input_ids = torch.zeros((len(batch), longest), dtype=torch.long)
@@ -87,7 +88,9 @@ def bare_forward(target: TargetModel, store: RunStore, shard: ShardRef, settings
             input_ids[row, : len(sequences[i].input_ids)] = sequences[i].input_ids
             attention_mask[row, : len(sequences[i].input_ids)] = 1
         with torch.inference_mode():
-            target.base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            target.base(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the stage waits for its states anyway (it copies them to the host)
 
 
 def timed(work) -> float:  # type: ignore[no-untyped-def]
@@ -335,6 +338,9 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-batch", type=int, default=8192)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="float32 by default: this CPU has no bf16 matrix units (bf16 runs ~7x slower)")
+    parser.add_argument("--device-map", default="cpu", help="hidden_states.device_map, e.g. cuda")
+    parser.add_argument("--random-models", default="1024x8", help="random Qwen3 targets besides the tiny model, "
+                        "HIDDENxLAYERS, comma-separated")
     parser.add_argument("--rss-shards", default="32,128,384", help="shard sizes (samples) for the RSS runs")
     parser.add_argument("--rss-part-mib", type=int, default=16, help="part size during the RSS runs")
     parser.add_argument("--phases", default="throughput,rss,compression", help="a subset of throughput,rss,compression")
@@ -343,9 +349,13 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
-    settings = HiddenStatesConfig(dtype=args.dtype, max_tokens_per_batch=args.max_tokens_per_batch)
+    settings = HiddenStatesConfig(dtype=args.dtype, max_tokens_per_batch=args.max_tokens_per_batch,
+                                  device_map=args.device_map)
     with tempfile.TemporaryDirectory(prefix="eagle3-bench-model-") as tmp:
-        models = {"tiny": args.tiny_model, "hidden 1024 x 8 layers": random_model(Path(tmp), 1024, 8)}
+        models = {"tiny": args.tiny_model}
+        for shape in args.random_models.split(","):
+            hidden, layers = (int(n) for n in shape.split("x"))
+            models[f"hidden {hidden} x {layers} layers"] = random_model(Path(tmp) / shape, hidden, layers)
         if "throughput" in args.phases:
             print(f"{'model':<24} {'tokens':>7} {'stage tok/s':>12} {'forward tok/s':>14} {'ratio':>6} "
                   f"{'bytes/token':>12} {'4 x H x dtype':>14}")
