@@ -7,7 +7,8 @@ For each model it prints, measured in one run so the machine's noise cancels out
   - bytes per token written against the 4 x H x (dtype size) lower bound (4 x H x 2 in bf16);
   - peak RSS of a fresh process extracting shards of growing size with a fixed part size, beside its RSS once the
     model and the sequences are loaded and the peak of the bare forward pass over the same shard (the batch's own
-    activations): the stage's peak must stay near the forward's plus one part, whatever the shard size;
+    activations): the stage's peak must stay near the forward's plus two parts (one written while the next fills),
+    whatever the shard size;
   - per hidden_states.compression (none, zstd, fp8), on bf16 states: bytes per token against the 4 x H x 2 bound,
     the cost of writing a shard (the stage's own writer: pack, encode, checksum, write, index; states already in
     memory) and of reading it back (`read_hidden_state_shard`, which decodes), and fp8's cosine per row (token x

@@ -75,8 +75,12 @@ def prompt_id_of(sample: str) -> str:
     return sample.split(":", 1)[0]
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+def sha256_hex(*buffers: bytes | memoryview) -> str:
+    """The sha256 of the buffers' bytes in turn (a file written as several, never joined)."""
+    digest = hashlib.sha256()
+    for buffer in buffers:
+        digest.update(buffer)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,6 @@ import numpy as np
 import pyarrow as pa
 import torch
 from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as _save_safetensors
 
 from eagle3_datagen.artifacts import sha256_hex
 from eagle3_datagen.config import Compression, ConfigError
@@ -57,20 +56,43 @@ FP8_BLOCK_TOKENS = 1024  # quantized this many tokens at a time: the float32 cop
 COSINE_GOAL = 0.999
 
 
-def save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
-    """safetensors bytes that depend only on the tensors and metadata: the same on every machine and process.
+# safetensors' names of the dtypes a part or a norm file holds
+_SAFETENSORS_DTYPES = {
+    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+    **({torch.float8_e4m3fn: "F8_E4M3"} if hasattr(torch, "float8_e4m3fn") else {}),
+}
 
-    safetensors keeps metadata in a hash map whose order changes from process to process; the header is
-    rewritten with its metadata sorted (same JSON, same length), so a shard extracted anywhere is the same file.
+
+def safetensors_buffers(tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str] | None = None
+                        ) -> list[memoryview]:
+    """A safetensors file as buffers to write one after the other, its data never copied into one.
+
+    Each tensor comes as pieces that concatenate along the first dimension (a part's samples); its bytes are the
+    pieces' in turn. Joining, serializing and re-slicing a 1 GiB part cost more than the forward pass on a GPU.
+    The same bytes on every machine and process: tensors stored in name order, the header's keys sorted
+    (safetensors' own writer orders metadata by a hash map that changes from process to process).
     """
-    data = _save_safetensors(tensors, metadata=metadata)
-    if not metadata:
-        return data
-    size = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + size])
-    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    return data[:8] + text.ljust(size) + data[8 + size:]
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    buffers: list[memoryview] = []
+    offset = 0
+    for name in sorted(tensors):
+        pieces = tensors[name]
+        start = offset
+        for piece in pieces:
+            buffers.append(memoryview(piece.contiguous().view(-1).view(torch.uint8).numpy()))
+            offset += buffers[-1].nbytes
+        rows = sum(piece.shape[0] for piece in pieces) if pieces[0].dim() else None
+        shape = [rows, *pieces[0].shape[1:]] if rows is not None else []
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[pieces[0].dtype], "shape": shape, "data_offsets": [start, offset]}
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return [memoryview(len(text).to_bytes(8, "little") + text), *buffers]
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
+    """safetensors bytes that depend only on the tensors and metadata (see `safetensors_buffers`)."""
+    return b"".join(safetensors_buffers({name: [tensor] for name, tensor in tensors.items()}, metadata))
 
 
 class HiddenStatesError(UserError):
@@ -111,31 +133,39 @@ def check_compression(compression: Compression, torch_module: ModuleType = torch
 
 @dataclass(frozen=True)
 class EncodedPart:
-    """A part's file bytes and, under fp8, each stored row's cosine to the model-dtype row (token x layer)."""
+    """A part's file (as buffers to write in turn) and, under fp8, each stored row's cosine to the model-dtype row
+    (token x layer)."""
 
-    data: bytes
+    buffers: list[memoryview]
     cosines: torch.Tensor | None
 
 
-def encode_part(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+def encode_part(pieces: dict[str, list[torch.Tensor]], metadata: dict[str, str],
                 compression: Compression = "none") -> EncodedPart:
-    """A part's file bytes: the one place the stored encoding of a part is decided."""
+    """A part's file: the one place the stored encoding of a part is decided.
+
+    Each tensor comes as pieces along its first dimension (the part's samples); stored as they are, they are
+    never joined in memory.
+    """
     if compression == "none":
-        return EncodedPart(save_safetensors(tensors, metadata={**metadata, "compression": "none"}), None)
-    stored = {name: tensor for name, tensor in tensors.items() if name not in STATE_TENSORS}
+        return EncodedPart(safetensors_buffers(pieces, metadata={**metadata, "compression": "none"}), None)
+    tensors = {name: torch.cat(tensor_pieces) for name, tensor_pieces in pieces.items()}
+    stored = {name: [tensor] for name, tensor in tensors.items() if name not in STATE_TENSORS}
     encoded = {name: {"dtype": _dtype_name(tensors[name].dtype), "shape": list(tensors[name].shape)}
                for name in STATE_TENSORS}
     hidden_size = tensors["final_hidden_states"].shape[-1]
     cosines: list[torch.Tensor] = []
     for name in STATE_TENSORS:
-        states = tensors[name]
+        states = tensors.pop(name)
         if compression == "zstd":
-            stored[f"{name}.zstd"] = _zstd_compress(states)
+            stored[f"{name}.zstd"] = [_zstd_compress(states)]
         else:
-            stored[f"{name}.fp8"], stored[f"{name}.scale"], row_cosines = _quantize_fp8(states, hidden_size)
+            fp8, scale, row_cosines = _quantize_fp8(states, hidden_size)
+            stored[f"{name}.fp8"], stored[f"{name}.scale"] = [fp8], [scale]
             cosines.append(row_cosines)
-    data = save_safetensors(stored, metadata={**metadata, "compression": compression, "encoded": json.dumps(encoded)})
-    return EncodedPart(data, torch.cat([c.flatten() for c in cosines]) if cosines else None)
+    metadata = {**metadata, "compression": compression, "encoded": json.dumps(encoded)}
+    return EncodedPart(safetensors_buffers(stored, metadata), torch.cat([c.flatten() for c in cosines])
+                       if cosines else None)
 
 
 def _decode_part(data: bytes) -> dict[str, torch.Tensor]:

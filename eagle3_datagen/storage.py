@@ -99,14 +99,20 @@ class RunStore:
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Atomic whole-file write: a temporary sibling then a rename (local), or one PUT (object stores)."""
+        self.write_buffers(rel, [data])
+
+    def write_buffers(self, rel: str, buffers: list[bytes | memoryview]) -> None:
+        """`write_bytes` of the buffers' bytes in turn; on local disk they are never joined in memory."""
         target = self.path(rel)
         self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
-        if not self._local:
+        if not self._local:  # one PUT, never a half-written object (a multipart upload is completed on close)
+            data = buffers[0] if len(buffers) == 1 else b"".join(buffers)
             self._retrying(lambda: self.fs.pipe_file(target, data))
             return
         tmp = f"{target}.tmp-{uuid.uuid4().hex}"
         with self.fs.open(tmp, "wb") as handle:
-            handle.write(data)
+            for buffer in buffers:
+                handle.write(buffer)
         self.fs.mv(tmp, target)
 
     def write_text(self, rel: str, text: str) -> None:

@@ -8,6 +8,7 @@ import itertools
 import json
 import posixpath
 from collections.abc import Callable, Generator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,7 @@ from eagle3_datagen.hidden_state_format import (
     FINAL_STATE,
     FORMAT,
     PART_TENSORS,
+    STATE_TENSORS,
     HiddenStatesError,
     Sample,
     cosine_summary,
@@ -78,7 +80,10 @@ def _list_column(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tens
 class _PartWriter:
     """Buffers samples and writes a part as soon as it holds part_size_bytes, so a shard never sits in memory.
 
-    Under fp8 it keeps every stored row's cosine to the model-dtype row (4 floats per token) for the index.
+    A part is checked, encoded, hashed and written on a thread of its own while the next one fills: hashing and
+    writing release the GIL, and on a GPU they took ten times the forward passes' time in line with them. One part
+    at a time, so at most two are in memory. Under fp8 it keeps every stored row's cosine to the model-dtype row
+    (4 floats per token) for the index.
     """
 
     def __init__(self, store: RunStore, folder: str, part_size_bytes: int, metadata: dict[str, str],
@@ -90,36 +95,56 @@ class _PartWriter:
         self.cosines: list[torch.Tensor] = []
         self._pending: list[Sample] = []
         self._pending_bytes = 0
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hidden-states-parts")
+        self._writing: Future[None] | None = None
+
+    def __enter__(self) -> _PartWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._thread.shutdown(wait=True)  # a part being written ends with the shard, never after it
 
     def add(self, sample: Sample) -> None:
-        for name in ("aux_hidden_states", "final_hidden_states"):
-            if not torch.isfinite(getattr(sample, name)).all():
-                raise HiddenStatesError(f"sample {sample.id!r}: {name} has NaN or Inf values")
         self._pending.append(sample)
         self._pending_bytes += sample.nbytes
         if self._pending_bytes >= self.part_size_bytes:
             self.flush()
 
     def flush(self) -> None:
+        """Hand the samples so far to the writing thread, once the part before them is written."""
         if not self._pending:
             return
         samples, self._pending, self._pending_bytes = self._pending, [], 0
+        self.wait()
+        number = len(self.parts)
+        for row, sample in enumerate(samples):
+            self.rows[sample.id] = [number, row]
+        self._writing = self._thread.submit(self._write, number, samples)
+
+    def wait(self) -> None:
+        """Until the part being written is written; what stopped it is raised here."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.result()
+
+    def _write(self, number: int, samples: list[Sample]) -> None:
+        for sample in samples:
+            for name in STATE_TENSORS:
+                if not torch.isfinite(getattr(sample, name)).all():
+                    raise HiddenStatesError(f"sample {sample.id!r}: {name} has NaN or Inf values")
         ids = [sample.id for sample in samples]
         lengths = [len(sample.input_ids) for sample in samples]
-        tensors = {name: torch.cat([getattr(sample, name) for sample in samples]) for name in PART_TENSORS}
-        del samples
-        tensors["offsets"] = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)
-        encoded = encode_part(tensors, {**self.metadata, "sample_ids": json.dumps(ids)}, self.compression)
-        del tensors
-        data = encoded.data
+        pieces = {name: [getattr(sample, name) for sample in samples] for name in PART_TENSORS}
+        pieces["offsets"] = [torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)]
+        encoded = encode_part(pieces, {**self.metadata, "sample_ids": json.dumps(ids)}, self.compression)
+        name = f"part-{number:05d}.safetensors"
+        self.store.write_buffers(posixpath.join(self.folder, name), encoded.buffers)
         if encoded.cosines is not None:
             self.cosines.append(encoded.cosines)
-        name = f"part-{len(self.parts):05d}.safetensors"
-        self.store.write_bytes(posixpath.join(self.folder, name), data)
-        for row, sample_id in enumerate(ids):
-            self.rows[sample_id] = [len(self.parts), row]
-        part = {"file": name, "num_samples": len(ids), "num_tokens": sum(lengths)}
-        self.parts.append({**part, "bytes": len(data), "sha256": sha256_hex(data)})
+        self.parts.append({"file": name, "num_samples": len(ids), "num_tokens": sum(lengths),
+                           "bytes": sum(buffer.nbytes for buffer in encoded.buffers),
+                           "sha256": sha256_hex(*encoded.buffers)})
+
 
 def write_shard(
     store: RunStore,
@@ -137,17 +162,13 @@ def write_shard(
     folder = f"hidden_states/{shard_name(shard_index)}"
     store.remove(folder)  # the old index goes first: a crash below must not leave it vouching for new parts
     layer_ids = {"input_to_layer": aux_layers, "output_of_layer": [i - 1 for i in aux_layers]}
-    writer = _PartWriter(
-        store,
-        folder,
-        settings.part_size_bytes,
-        {"format": FORMAT, "aux_layers": json.dumps(layer_ids), "final_state": FINAL_STATE},
-        settings.compression,
-    )
-    with contextlib.closing(samples(sequences, aux_layers)) as stream:  # closed now, also when add() raises
-        for sample in stream:
-            writer.add(sample)
-    writer.flush()
+    metadata = {"format": FORMAT, "aux_layers": json.dumps(layer_ids), "final_state": FINAL_STATE}
+    with _PartWriter(store, folder, settings.part_size_bytes, metadata, settings.compression) as writer:
+        with contextlib.closing(samples(sequences, aux_layers)) as stream:  # closed now, also when add() raises
+            for sample in stream:
+                writer.add(sample)
+        writer.flush()
+        writer.wait()
     norm_file = save_safetensors({"weight": target.norm_weight.contiguous()}, metadata={"eps": repr(target.norm_eps)})
     store.write_bytes(posixpath.join(folder, FINAL_NORM_FILE), norm_file)
     index = {

@@ -138,13 +138,10 @@ def capture_batch(
             )
     final = captured[target.num_layers]
     _check_final_norm(final, normed[0], base.norm.weight, target.norm_eps)
-    return [
-        (
-            torch.cat([captured[i][row, : len(seq)].cpu() for i in aux_layers], dim=-1),
-            final[row, : len(seq)].to("cpu", copy=True),
-        )
-        for row, seq in enumerate(sequences)
-    ]
+    # one copy to the host per batch, not per row and layer: each row is then a view of it (padding dropped)
+    aux = torch.cat([captured.pop(i) for i in aux_layers], dim=-1).cpu()
+    final = final.to("cpu", copy=True)
+    return [(aux[row, : len(seq)], final[row, : len(seq)]) for row, seq in enumerate(sequences)]
 
 def _check_final_norm(before: torch.Tensor, after: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """The stored before-norm state must give the model's own after-norm state, or a SpecForge export would be off."""

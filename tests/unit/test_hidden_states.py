@@ -11,6 +11,7 @@ import pytest
 import torch
 from hidden_state_targets import AUX, HIDDEN, LAYERS, random_qwen3, random_rows, write_sequences
 from safetensors import safe_open
+from safetensors.torch import load as safetensors_load
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
 from eagle3_datagen.config import ConfigError, HiddenStatesConfig, parse_config
@@ -21,6 +22,7 @@ from eagle3_datagen.hidden_state_format import (
     final_rms_norm,
     read_final_norm,
     read_hidden_state_shard,
+    safetensors_buffers,
 )
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states import extract_hidden_states
@@ -321,6 +323,35 @@ def test_a_part_file_is_the_same_bytes_in_every_process(tmp_path: Path) -> None:
     (tmp_path / "part.safetensors").write_bytes(files.pop())
     with safe_open(tmp_path / "part.safetensors", "pt") as part:
         assert part.get_tensor("x").tolist() == [0.0, 1.0, 2.0, 3.0] and part.metadata()["sample_ids"] == '["é"]'
+
+
+def test_a_part_written_from_pieces_is_what_safetensors_reads(store: RunStore) -> None:
+    """Parts are written as their samples' buffers in turn (never joined): the file must still be plain
+    safetensors, each tensor the pieces' concatenation, bit for bit, and its checksum that of the file."""
+    gen = torch.Generator().manual_seed(3)
+    pieces = {
+        "states": [torch.randn(n, 6, generator=gen).to(torch.bfloat16) for n in (3, 0, 5)],
+        "half": [torch.randn(n, 2, 3, generator=gen).half() for n in (2, 4)],
+        "wide": [torch.randn(n, generator=gen) for n in (7, 1)],
+        "input_ids": [torch.randint(0, 1000, (n,), generator=gen, dtype=torch.int32) for n in (3, 0, 5)],
+        "loss_mask": [torch.randint(0, 2, (n,), generator=gen, dtype=torch.uint8) for n in (3, 0, 5)],
+        "offsets": [torch.tensor([0, 3, 3, 8], dtype=torch.int64)],
+        "fp8": [torch.randn(4, 6, generator=gen).to(torch.float8_e4m3fn)],
+        "scale": [torch.rand((), generator=gen)],
+    }
+    buffers = safetensors_buffers(pieces, {"sample_ids": '["a", "b", "c"]', "format": "f"})
+    store.write_buffers("part.safetensors", list(buffers))
+    data = store.read_bytes("part.safetensors")
+    assert data == b"".join(buffers) and sha256_hex(data) == sha256_hex(*buffers)
+    assert int.from_bytes(data[:8], "little") % 8 == 0, "the data starts 8-byte aligned"
+    loaded = safetensors_load(data)
+    assert sorted(loaded) == sorted(pieces)
+    for name, tensor_pieces in pieces.items():
+        expected = torch.cat(tensor_pieces) if tensor_pieces[0].dim() else tensor_pieces[0]
+        assert loaded[name].dtype == expected.dtype and loaded[name].shape == expected.shape, name
+        assert loaded[name].reshape(-1).view(torch.uint8).equal(expected.reshape(-1).view(torch.uint8)), name
+    with safe_open(store.local_path("part.safetensors"), "pt") as part:
+        assert part.metadata() == {"sample_ids": '["a", "b", "c"]', "format": "f"}
 
 
 def extract_with(store: RunStore, target: TargetModel, compression: str, shard: int = 0) -> tuple[dict, list[Sample]]:
