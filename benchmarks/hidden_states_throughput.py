@@ -15,9 +15,10 @@ For each model it prints, measured in one run so the machine's noise cancels out
     layer) to the bf16 row, as the shard index records it.
 
 Models: the repo's tiny model ($EAGLE3_TINY_MODEL, built by `make setup`) and random Qwen3 models (hidden 1024
-and 8 layers unless --random-models says otherwise), saved to a temporary folder. The compression phase uses the tiny model's states (transformers
-backend, bf16) and synthetic states with the scales of a real LLM's residual stream, which no random model has:
-see `synthetic_states`. Usage:
+and 8 layers unless --random-models says otherwise), saved to a temporary folder. The compression phase uses the
+tiny model's states (transformers backend, bf16) and synthetic states with the scales of a real LLM's residual
+stream, which no random model has: see `synthetic_states`. With --device-map cuda the throughput phase runs the
+stage on a GPU (use --dtype bfloat16 there). Usage:
 
     .venv/bin/python benchmarks/hidden_states_throughput.py [--tokens 16000] [--repeats 3] [--dtype float32]
         [--rss-shards 32,128,384] [--rss-part-mib 16] [--synthetic-tokens 8000] [--massive 2000]

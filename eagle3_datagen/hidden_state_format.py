@@ -82,8 +82,7 @@ def safetensors_buffers(tensors: dict[str, list[torch.Tensor]], metadata: dict[s
         for piece in pieces:
             buffers.append(memoryview(piece.contiguous().view(-1).view(torch.uint8).numpy()))
             offset += buffers[-1].nbytes
-        rows = sum(piece.shape[0] for piece in pieces) if pieces[0].dim() else None
-        shape = [rows, *pieces[0].shape[1:]] if rows is not None else []
+        shape = [sum(piece.shape[0] for piece in pieces), *pieces[0].shape[1:]] if pieces[0].dim() else []
         header[name] = {"dtype": _SAFETENSORS_DTYPES[pieces[0].dtype], "shape": shape, "data_offsets": [start, offset]}
     text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
