@@ -81,9 +81,9 @@ class _PartWriter:
     """Buffers samples and writes a part as soon as it holds part_size_bytes, so a shard never sits in memory.
 
     A part is checked, encoded, hashed and written on a thread of its own while the next one fills: hashing and
-    writing release the GIL, and on a GPU they took ten times the forward passes' time in line with them. One part
-    at a time, so at most two are in memory. Under fp8 it keeps every stored row's cosine to the model-dtype row
-    (4 floats per token) for the index.
+    writing release the GIL, and on a GPU, done in line with the forward passes, they made the stage 5 to 20 times
+    slower than them. One part at a time, so at most two are in memory. Under fp8 it keeps every stored row's
+    cosine to the model-dtype row (4 floats per token) for the index.
     """
 
     def __init__(self, store: RunStore, folder: str, part_size_bytes: int, metadata: dict[str, str],
