@@ -381,14 +381,28 @@ def test_a_clean_run_in_local_mode_is_quiet_and_leaves_no_server_behind(tiny_mod
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     before = _temporary_apis()
-    done = subprocess.run([sys.executable, "-m", "cli.main", "run", "--config", write_config(tmp_path / "c.yaml", cfg)],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
-    printed = done.stdout + done.stderr
-    assert done.returncode == 0, printed[-3000:]
+    with (tmp_path / "out.txt").open("w") as out, (tmp_path / "err.txt").open("w") as err:
+        command = subprocess.Popen(
+            [sys.executable, "-m", "cli.main", "run", "--config", write_config(tmp_path / "c.yaml", cfg)],
+            env=env, stdout=out, stderr=err, cwd=Path(__file__).resolve().parents[2])
+        seen: set[int] = set()  # watched while it runs: a check only after the exit could not tell "never found"
+        deadline = time.monotonic() + 300
+        try:
+            while command.poll() is None and time.monotonic() < deadline:
+                seen |= _temporary_apis() - before
+                time.sleep(0.1)
+        finally:
+            if command.poll() is None:
+                command.kill()
+            command.wait()
+    stdout = (tmp_path / "out.txt").read_text()
+    printed = stdout + (tmp_path / "err.txt").read_text()
+    assert command.returncode == 0, printed[-3000:]
     assert "ERROR" not in printed and "Traceback" not in printed, printed[-3000:]
     assert "View at" not in printed, "no link to a UI the temporary API does not serve"
-    assert done.stdout.strip().splitlines()[-1] == f"artifacts: {tmp_path / 'flow'}"
-    assert _temporary_apis() <= before, "the temporary Prefect API was stopped"
+    assert stdout.strip().splitlines()[-1] == f"artifacts: {tmp_path / 'flow'}"
+    assert seen, "the command ran its own temporary Prefect API"
+    assert not seen & _temporary_apis(), "the temporary Prefect API was stopped"
 
 
 def test_an_unwritable_output_uri_is_one_line_naming_it(tiny_model: Path, tmp_path: Path,
