@@ -510,10 +510,11 @@ def main() -> None:
                         help="requests per client per round at 500 ms")
     parser.add_argument("--client-rounds", type=int, default=3)
     parser.add_argument("--vllm-requests", type=int, default=2000, help="requests per run on the vLLM server")
-    parser.add_argument("--vllm-rounds", type=int, default=5,
+    parser.add_argument("--vllm-rounds", type=int, default=7,
                         help="runs of each setting, interleaved (one setting's runs spread by up to a quarter)")
     parser.add_argument("--vllm-max-tokens", type=int, default=128)
-    parser.add_argument("--vllm-budgets", type=int, nargs="+", default=[32, 64, 128, 256])
+    parser.add_argument("--vllm-budgets", type=int, nargs="+", default=[64, 128, 256, 512],
+                        help="fixed budgets of the sweep (the tiny model's CPU server runs 128 at once)")
     parser.add_argument("--cli-requests", type=int, default=3000, help="prompts of each end-to-end run")
     parser.add_argument("--cli-medians", type=float, nargs="+", default=[0.05, 0.5], help="median latencies (s)")
     parser.add_argument("--cli-sigma", type=float, default=0.8, help="log-normal sigma of the end-to-end runs")

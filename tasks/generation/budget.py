@@ -21,41 +21,64 @@ from tasks.generation.pool import Endpoint, EndpointPool, Log
 
 AUTO_START = 32  # the first budget of an endpoint under `auto`
 AUTO_CAP = 1024  # never more in flight to one endpoint
-FOLLOW_EVERY_S = 0.5
+FOLLOW_EVERY_S = 0.5  # between readings after the budget changed
+RAMP_EVERY_S = 0.1  # between readings while the budget climbs from its start: it reaches a big server's limit sooner
+SETTLED_EVERY_S = 2.0  # at most between readings while the budget stays put: each reading costs a loaded vLLM front
+# end ~15 ms of CPU (1.5 % of a 2-core CPU server's throughput at two readings a second)
 KV_CACHE_FULL = 0.95  # share of the KV cache in use past which the server preempts
 KV_CACHE_ROOM = 0.85  # below this share there is room for more requests
 QUEUE_SHARE = 2  # up to half the budget may wait in the server's queue; it grows while a quarter or less waits
 
-def next_limit(limit: int, peak_in_flight: int, load: ServerLoad, pushed_back: bool = False) -> int:
-    """The next budget of an endpoint, from its current one, the most it had in flight lately, its load, and
-    whether it ever pushed back (requests queued or a full cache) during this run."""
+def next_limit(limit: int, peak_in_flight: int, load: ServerLoad, pushed_back: bool = False,
+               just_grown: bool = False) -> int:
+    """The next budget of an endpoint, from its current one, the most it had in flight lately, its load, whether
+    it ever pushed back (requests queued or a full cache) during this run, and whether the budget grew (or the run
+    began) less than FOLLOW_EVERY_S ago."""
     queue = max(2, limit // QUEUE_SHARE)
     cache = load.kv_cache_usage
     if load.waiting > queue or (cache is not None and cache >= KV_CACHE_FULL):
         return max(1, min(limit, int(load.running) + queue))
     # the server counts at least half of what was sent: its HTTP front end is not still reading a burst (growing
     # then only piles up more). Not all of it: requests in pre- and post-processing are counted nowhere, and a
-    # CPU server with 32 in flight counted 3 to 31 of them for 3 s, holding the budget at its start meanwhile
-    taken_in = load.running + load.waiting >= limit // 2
-    few_wait = load.waiting <= queue // QUEUE_SHARE
+    # CPU server with 32 in flight counted 3 to 31 of them for 3 s, holding the budget at its start meanwhile.
+    # Right after a growth, three quarters: a CPU server that runs 128 at most, read 0.4 s after its budget went
+    # to 256, counted 128 running and 1 waiting while its front end was still reading the rest of the burst
+    taken_in = load.running + load.waiting >= (3 * limit // 4 if just_grown else limit // 2)
+    # requests wait in vLLM's queue only for a step or two while it has room; if they wait while it runs half the
+    # budget or less, it is full, and the budget is already what it runs plus a queue as long (a CPU server that
+    # runs 128 at most was read with 128 running and 30 waiting while still reading a burst of 256)
+    few_wait = load.waiting <= queue // QUEUE_SHARE and (load.waiting == 0 or 2 * load.running > limit)
     if few_wait and (cache is None or cache < KV_CACHE_ROOM) and peak_in_flight >= limit and taken_in:
         return min(AUTO_CAP, limit + max(1, limit // 16) if pushed_back else 2 * limit)
     return limit
 
 
+def next_pause(pause: float, changed: bool, ramping: bool, every_s: float = FOLLOW_EVERY_S) -> float:
+    """Seconds until the next reading: RAMP_EVERY_S while the budget climbs from its start, `every_s` after a
+    change, then twice the last pause after each reading that changed nothing, up to SETTLED_EVERY_S."""
+    if ramping:
+        return RAMP_EVERY_S
+    return every_s if changed else min(SETTLED_EVERY_S, 2 * pause)
+
+
 async def follow_load(pool: EndpointPool, endpoint: Endpoint, log: Log, every_s: float = FOLLOW_EVERY_S) -> None:
     """Move one endpoint's budget with its load until cancelled; a failed reading leaves the budget as it is."""
-    pushed_back = False
+    loop = asyncio.get_running_loop()
+    pushed_back, grew_at, pause = False, loop.time(), RAMP_EVERY_S
     while True:
-        await asyncio.sleep(every_s)
+        await asyncio.sleep(pause)
         peak, endpoint.peak_in_flight = endpoint.peak_in_flight, endpoint.in_flight
         load = await endpoint.client.load()
         if load is None:
             continue
-        limit = next_limit(endpoint.limit, peak, load, pushed_back)
+        limit = next_limit(endpoint.limit, peak, load, pushed_back, loop.time() - grew_at < every_s)
         pushed_back |= limit < endpoint.limit
+        if limit > endpoint.limit:
+            grew_at = loop.time()
         if limit != endpoint.limit:
             log.debug("budget of %s: %d -> %d (running %.0f, waiting %.0f, KV cache %s)", endpoint.url,
                       endpoint.limit, limit, load.running, load.waiting, load.kv_cache_usage)
             pool.wake(max(0, limit - endpoint.limit))
-            endpoint.limit = limit
+        pause = next_pause(pause, limit != endpoint.limit, not pushed_back and loop.time() - grew_at < every_s,
+                           every_s)
+        endpoint.limit = limit

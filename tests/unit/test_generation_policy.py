@@ -15,7 +15,7 @@ from eagle3_datagen.config import ServerConfig, ValidationConfig, parse_config
 from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, ServerLoad, parse_metrics
-from tasks.generation.budget import next_limit
+from tasks.generation.budget import FOLLOW_EVERY_S, RAMP_EVERY_S, SETTLED_EVERY_S, next_limit, next_pause
 from tasks.generation.pool import Endpoint, EndpointPool
 from tasks.generation.probation import EmptyReasoningTest, Outcome, Probation
 from tasks.generation.progress import Timeline
@@ -82,6 +82,21 @@ def test_the_budget_grows_only_while_it_is_used_and_the_server_has_room() -> Non
         "not while the server has yet to take in what was sent"
     assert next_limit(32, peak_in_flight=32, load=ServerLoad(19, 0, 0.01)) == 64, \
         "but without waiting for every request to be counted: some are in the server's pre- or post-processing"
+    still_reading = ServerLoad(running=128, waiting=0, kv_cache_usage=0.06)
+    assert next_limit(256, peak_in_flight=256, load=still_reading, just_grown=True) == 256, \
+        "right after a growth, three quarters of the budget must be counted: the front end may still be reading it"
+    assert next_limit(256, peak_in_flight=256, load=still_reading) == 512
+    assert next_limit(256, peak_in_flight=256, load=ServerLoad(128, 30, 0.06)) == 256, \
+        "requests wait while the server runs half the budget: it is full, and the other half is its queue"
+
+
+def test_the_load_is_read_quickly_while_the_budget_climbs_and_seldom_while_it_stays_put() -> None:
+    assert next_pause(0.1, changed=True, ramping=True) == RAMP_EVERY_S
+    pauses = [FOLLOW_EVERY_S]
+    for _ in range(4):
+        pauses.append(next_pause(pauses[-1], changed=False, ramping=False))
+    assert pauses == [0.5, 1.0, 2.0, SETTLED_EVERY_S, SETTLED_EVERY_S]
+    assert next_pause(SETTLED_EVERY_S, changed=True, ramping=False) == FOLLOW_EVERY_S, "a change: read again soon"
 
 
 def test_the_budget_shrinks_to_what_runs_plus_a_half_when_more_wait_or_the_cache_is_full() -> None:
