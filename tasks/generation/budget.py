@@ -71,14 +71,13 @@ async def follow_load(pool: EndpointPool, endpoint: Endpoint, log: Log, every_s:
         load = await endpoint.client.load()
         if load is None:
             continue
-        limit = next_limit(endpoint.limit, peak, load, pushed_back, loop.time() - grew_at < every_s)
+        now = loop.time()
+        limit = next_limit(endpoint.limit, peak, load, pushed_back, now - grew_at < every_s)
         pushed_back |= limit < endpoint.limit
-        if limit > endpoint.limit:
-            grew_at = loop.time()
+        grew_at = now if limit > endpoint.limit else grew_at
         if limit != endpoint.limit:
             log.debug("budget of %s: %d -> %d (running %.0f, waiting %.0f, KV cache %s)", endpoint.url,
                       endpoint.limit, limit, load.running, load.waiting, load.kv_cache_usage)
             pool.wake(max(0, limit - endpoint.limit))
-        pause = next_pause(pause, limit != endpoint.limit, not pushed_back and loop.time() - grew_at < every_s,
-                           every_s)
+        pause = next_pause(pause, limit != endpoint.limit, not pushed_back and now - grew_at < every_s, every_s)
         endpoint.limit = limit
