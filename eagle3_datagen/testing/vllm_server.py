@@ -89,10 +89,13 @@ class LocalVLLMServer:
                "VLLM_RPC_BASE_PATH": self._scratch, "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE)}
         os.makedirs(self._scratch, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        # A process group of its own, for stop() to signal, but in the caller's session: with the kernel's
+        # autogroup scheduling, a new session is a scheduling group of its own, and on 2 cores a client in another
+        # group than vLLM's busy-polling engine sat runnable and unrun for up to 5.4 s (2 of 8 `auto` runs in
+        # benchmarks/generation_utilization.py; none in 8 with one group)
         with self.log_path.open("wb") as log:
-            self._process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, env=env, process_group=0)
         deadline = time.monotonic() + self.startup_timeout_s
         with httpx.Client(timeout=5) as client:
             while time.monotonic() < deadline:
