@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,6 +65,31 @@ def test_demo_questions_give_reasoning_and_content(vllm_server: LocalVLLMServer,
         assert ids["</think>"] in choice["token_ids"]
         if choice["finish_reason"] == "stop":
             assert choice["token_ids"][-1] == ids["<|im_end|>"]
+
+
+def _process_group_names(pgid: int) -> set[str]:
+    """The names (comm) of the processes in one process group, from /proc."""
+    names: set[str] = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            comm, rest = stat.read_text().split(" (", 1)[1].rsplit(") ", 1)
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if int(rest.split()[2]) == pgid:
+            names.add(comm)
+    return names
+
+
+@pytest.mark.vllm
+def test_server_shares_the_callers_session_in_a_group_stop_reaches(vllm_server: LocalVLLMServer) -> None:
+    # In a session of its own, the kernel's autogroup scheduling made vLLM a scheduling group apart from the
+    # client's, and on 2 cores the client sat runnable and unrun for seconds (vllm_server.py says more)
+    assert vllm_server._process is not None
+    pid = vllm_server._process.pid
+    assert os.getsid(pid) == os.getsid(0)
+    assert os.getpgid(pid) == pid
+    # stop() signals the whole group, so it reaches the engine core and its worker (comm keeps 15 characters)
+    assert {"VLLM::EngineCor", "VLLM::Worker"} <= _process_group_names(pid)
 
 
 def test_missing_vllm_python_names_make_setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
