@@ -1,15 +1,16 @@
 """`server.max_in_flight: auto`: each endpoint's budget follows the server's own load, read from vLLM's /metrics.
 
-The budget grows while few requests wait in the server's queue and its KV cache has room, and shrinks to what
-the server runs plus a queue when more than that waits or the cache is full. The queue, half the budget, is what
-keeps the engine fed: a finished request is replaced from it at once, while its successor is still on its way
-through the client and the server's front end. On the vLLM CPU server, whose front end shares the cores, a queue
-of a sixteenth gave 0.85x the throughput of a fixed budget of twice what the server runs; against the best fixed
-budget, a quarter gave 0.92x and half 0.94x to 1.00x over three runs (`benchmarks/generation_utilization.py
---phases auto`). Waiting requests hold no KV cache, so a deep queue costs the server nothing. As in TCP, the
-budget doubles until the server first pushes back, then grows by a sixteenth, so it stays near the server's limit
-instead of swinging around it. A fixed budget is either too small for a big server or a long queue on a small
-one; this one keeps every endpoint just saturated whatever its size.
+The budget grows while few requests wait in the server's queue and its KV cache has room, and shrinks to what the
+server runs plus a queue when more than that waits or the cache is full. The queue, half the budget, is what keeps
+the engine fed: a finished request is replaced from it at once, while its successor is still on its way through the
+client and the server's front end. On the vLLM CPU server, whose front end shares the cores, a queue of a sixteenth
+gave 0.85x the throughput of a fixed budget of twice what the server runs; against the best fixed budget, a quarter
+gave 0.92x and half 0.94x to 1.00x over three runs (`benchmarks/generation_utilization.py --phases auto`), and half
+1.01x to 1.03x once the kernel no longer scheduled vLLM in a group apart from the client (testing/vllm_server.py).
+Waiting requests hold no KV cache, so a deep queue costs the server nothing. As in TCP, the budget doubles until the
+server first pushes back, then grows by a sixteenth, so it stays near the server's limit instead of swinging around
+it. A fixed budget is either too small for a big server or a long queue on a small one; this one keeps every
+endpoint just saturated whatever its size.
 """
 
 from __future__ import annotations
