@@ -89,10 +89,10 @@ class LocalVLLMServer:
                "VLLM_RPC_BASE_PATH": self._scratch, "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR_CACHE)}
         os.makedirs(self._scratch, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        # A process group of its own, for stop() to signal, but in the caller's session: with the kernel's
-        # autogroup scheduling, a new session is a scheduling group of its own, and on 2 cores a client in another
-        # group than vLLM's busy-polling engine sat runnable and unrun for up to 5.4 s (2 of 8 `auto` runs in
-        # benchmarks/generation_utilization.py; none in 8 with one group)
+        # A process group of its own, for stop() to signal, but in the caller's session: under the kernel's
+        # autogroup scheduling each session is a scheduling group, and on 2 cores a client outside vLLM's group
+        # (whose engine busy-polls) sat ready to run and unrun for up to 5.4 s, in 2 of 8 `auto` runs; in one
+        # group, in none of 8
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, env=env, process_group=0)

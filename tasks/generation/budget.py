@@ -6,11 +6,11 @@ the engine fed: a finished request is replaced from it at once, while its succes
 client and the server's front end. On the vLLM CPU server, whose front end shares the cores, a queue of a sixteenth
 gave 0.85x the throughput of a fixed budget of twice what the server runs; against the best fixed budget, a quarter
 gave 0.92x and half 0.94x to 1.00x over three runs (`benchmarks/generation_utilization.py --phases auto`), and half
-1.01x to 1.03x once the kernel no longer scheduled vLLM in a group apart from the client (testing/vllm_server.py).
-Waiting requests hold no KV cache, so a deep queue costs the server nothing. As in TCP, the budget doubles until the
-server first pushes back, then grows by a sixteenth, so it stays near the server's limit instead of swinging around
-it. A fixed budget is either too small for a big server or a long queue on a small one; this one keeps every
-endpoint just saturated whatever its size.
+1.01x to 1.03x once the kernel no longer scheduled vLLM in a group apart from the client
+(eagle3_datagen/testing/vllm_server.py). Waiting requests hold no KV cache, so a deep queue costs the server
+nothing. As in TCP, the budget doubles until the server first pushes back, then grows by a sixteenth, so it stays
+near the server's limit instead of swinging around it. A fixed budget is either too small for a big server or a long
+queue on a small one; this one keeps every endpoint just saturated whatever its size.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tasks.generation.pool import Endpoint, EndpointPool, Log
 AUTO_START = 32  # the first budget of an endpoint under `auto`
 AUTO_CAP = 1024  # never more in flight to one endpoint
 FOLLOW_EVERY_S = 0.5  # between readings after the budget changed
-RAMP_EVERY_S = 0.1  # between readings while the budget climbs from its start: 32 to 256 in 0.5-1.1 s, not 1.5 s
+RAMP_EVERY_S = 0.1  # between readings while the budget climbs from its start: 32 to 256 in 0.4-1.1 s, not 1.5 s
 SETTLED_EVERY_S = 2.0  # at most between readings while the budget stays put: each reading costs a loaded vLLM front
 # end ~15 ms of CPU (1.5 % of a 2-core CPU server's throughput at two readings a second)
 KV_CACHE_FULL = 0.95  # share of the KV cache in use past which the server preempts

@@ -81,7 +81,7 @@ def _process_group_names(pgid: int) -> set[str]:
 
 
 @pytest.mark.vllm
-def test_server_shares_the_callers_session_in_a_group_stop_reaches(vllm_server: LocalVLLMServer) -> None:
+def test_server_runs_in_the_callers_session_in_a_group_that_stop_signals(vllm_server: LocalVLLMServer) -> None:
     # In a session of its own, the kernel's autogroup scheduling made vLLM a scheduling group apart from the
     # client's, and on 2 cores the client sat runnable and unrun for seconds (vllm_server.py says more)
     assert vllm_server._process is not None
