@@ -6,6 +6,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
@@ -79,13 +80,25 @@ def _required_in_the_form(*keys: str) -> Callable[[dict[str, Any]], None]:
     return require
 
 
+def base_url(url: str) -> str:
+    """The one spelling of an endpoint: `http://Host:80/v1/` and `http://host` are the same server."""
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    userinfo, _, host = parts.netloc.rpartition("@")
+    host = host.lower().removesuffix({"http": ":80", "https": ":443"}.get(scheme, ""))
+    path = parts.path.rstrip("/").removesuffix("/v1").rstrip("/")
+    return f"{scheme}://{userinfo + '@' if userinfo else ''}{host}{path}"
+
+
 class ServerConfig(_Section):
     model_config = ConfigDict(json_schema_extra=_required_in_the_form("endpoints"))
 
     endpoints: list[str] = Field(
         default_factory=lambda: ["http://127.0.0.1:8000"],
-        description="vLLM base URLs, one per replica, e.g. http://vllm-0:8000 (at least one).",
-        json_schema_extra={"minItems": 1, "items": {"type": "string", "pattern": r"^https?://[^/\s]+"}},
+        description="vLLM base URLs, one per replica, e.g. http://vllm-0:8000 (at least one, each server once; "
+        "a trailing /v1 is dropped).",
+        json_schema_extra={"minItems": 1, "uniqueItems": True,
+                           "items": {"type": "string", "pattern": r"^https?://[^/\s]+"}},
     )
     max_in_flight: PositiveInt | Literal["auto"] = Field(
         default=64,
@@ -130,10 +143,15 @@ class ServerConfig(_Section):
     def _http_urls(cls, endpoints: list[str]) -> list[str]:
         if not endpoints:
             raise ValueError(f"is empty: {ENDPOINTS_FIX}")
+        seen: dict[str, str] = {}
         for url in endpoints:
             if not re.match(r"^https?://[^/\s]+", url):
                 raise ValueError(f"endpoint {url!r} is not an http(s) URL such as http://127.0.0.1:8000")
-        return [url.rstrip("/").removesuffix("/v1") for url in endpoints]
+            base = base_url(url)
+            if base in seen:  # one server listed twice would get two budgets and be overloaded
+                raise ValueError(f"endpoints {seen[base]!r} and {url!r} are the same server ({base}): list it once")
+            seen[base] = url
+        return list(seen)
 
 
 # Request fields the project sets: overriding one from extra_body would silently change what the run asks for

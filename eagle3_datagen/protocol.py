@@ -11,7 +11,9 @@ Responses are read here in every form servers send: the reasoning field has had 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +24,17 @@ from eagle3_datagen.config import GenerationConfig, ServerConfig
 from eagle3_datagen.http_client import HTTPConnections
 from eagle3_datagen.modes import with_system_prompt
 from eagle3_datagen.profiles import ModelProfile, ModeSpec
-from eagle3_datagen.redaction import register_secret
+from eagle3_datagen.redaction import redact, register_secret
 
 REASONING_FIELDS = ("reasoning", "reasoning_content")
 RUNNING, WAITING, KV_CACHE_USAGE = "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"
+# Prometheus' text format: `name{labels} value [timestamp]`, labels optional
+METRIC_SAMPLE = re.compile(r"(?P<name>vllm:[\w:]+)(\{.*\})?\s+(?P<value>\S+)")
 RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
+# the only refusals that can be about one request's own body (a prompt over the context, a field out of range);
+# any other status that is not retryable (401, 403, 404, 405...) refuses every request the endpoint is sent
+REQUEST_REFUSAL_STATUS = frozenset({400, 413, 422})
+UNKNOWN_MODEL = re.compile(r"\bmodel\b[^.]*\b(does not exist|not found)|\b(unknown|invalid) model\b", re.IGNORECASE)
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -47,6 +55,15 @@ class RequestFailed(RuntimeError):
         """The server answered, and the answer says it is broken (HTTP 500, or a body that breaks the protocol),
         as opposed to busy or away (429, 502-504, timeouts, refused connections), which waiting can cure."""
         return self.status in (200, 500)
+
+    @property
+    def refused_request(self) -> bool:
+        """The server refused this one request, not every request: the prompt is rejected, not the endpoint.
+
+        A 401 or 403 (the key), a 404 or 405 (the route, or a model the server does not serve) refuses every
+        request alike, and so does a 400 that names an unknown model.
+        """
+        return self.status in REQUEST_REFUSAL_STATUS and not UNKNOWN_MODEL.search(str(self))
 
 
 @dataclass(frozen=True)
@@ -77,11 +94,15 @@ def parse_metrics(text: str) -> ServerLoad | None:
     """Requests running and waiting and KV-cache usage, summed over engines; None without vLLM's gauges."""
     totals: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith("vllm:"):
+        sample = METRIC_SAMPLE.match(line)
+        if sample is None or sample["name"] not in (RUNNING, WAITING, KV_CACHE_USAGE):
             continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in (RUNNING, WAITING, KV_CACHE_USAGE):
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        try:
+            value = float(sample["value"])
+        except ValueError:
+            continue
+        if math.isfinite(value):  # a value unread (or NaN): as if the server had not reported it
+            totals[sample["name"]] = totals.get(sample["name"], 0.0) + value
     if RUNNING not in totals or WAITING not in totals:
         return None
     return ServerLoad(totals[RUNNING], totals[WAITING], totals.get(KV_CACHE_USAGE))
@@ -262,4 +283,5 @@ def _raise_for_status(status: int, url: str, data: bytes) -> None:
         message = detail.get("message", detail) if isinstance(detail, dict) else detail
     except ValueError:
         message = data[:300].decode("utf-8", "replace")
-    raise RequestFailed(f"HTTP {status} from {url}: {message}", status, status in RETRYABLE_STATUS)
+    # a gateway may echo the key it refused: the message goes to logs, rejected lists and the run's error
+    raise RequestFailed(redact(f"HTTP {status} from {url}: {message}"), status, status in RETRYABLE_STATUS)

@@ -38,6 +38,7 @@ FAULTS = (
     "malformed",  # 200 with a body that is not JSON
     "missing",  # 200 with JSON that lacks `choices`
     "slow",  # answers after Script.slow_s (longer than the client's timeout)
+    "refuse",  # HTTP 400 naming the question: a refusal of this one request, like vLLM's context-length one
 )
 RANDOM_FAULTS = ("http-500", "http-503", "http-429", "reset", "malformed", "missing")
 
@@ -93,6 +94,7 @@ class Script:
     serve_metrics: bool = True  # vLLM's load gauges at /metrics (running, waiting, KV-cache usage)
     reasoning_chars: int = 0  # every reasoning padded to this length: the long traces of real reasoning models
     ignore_thinking_switch: bool = False  # answer with reasoning even when the request switches thinking off
+    check_model: bool = False  # a request for a model other than `model` gets vLLM's 404, as after a rename
 
 
 def scripted_latency(script: Script, index: int) -> float:
@@ -287,6 +289,12 @@ class ScriptedServer:
                     self.log.running -= 1
                 if self._run_slots is not None:
                     self._run_slots.release()
+            if self.script.check_model and body.get("model") != self.script.model:
+                return JSONResponse({"object": "error", "message": f"The model `{body.get('model')}` does not exist.",
+                                     "type": "NotFoundError", "param": None, "code": 404}, status_code=404)
+            if fault == "refuse":
+                return JSONResponse({"error": {"message": f"scripted refusal of «{question}»", "code": 400}},
+                                    status_code=400)
             if fault.startswith("http-"):
                 status = int(fault.removeprefix("http-"))
                 return JSONResponse({"error": {"message": f"scripted failure {status}", "code": status}},

@@ -1,5 +1,9 @@
 """The in-flight budget of a run's endpoints: who gets the next slot, and when a failing endpoint is given up on.
 
+An endpoint that refuses every request (a rejected key, a model it does not serve, a route it lacks, the same
+refusal to many prompts in a row) is dropped at once: its refusals say nothing about the prompts, which are asked
+again elsewhere, or after the fix.
+
 Everything here runs on one event loop with no await between reading and changing state, so there is no lock:
 a request waits on a future of its own, woken one at a time as slots free up (FIFO, like asyncio.Semaphore),
 retries before new prompts: a prompt already started is finished first, so its shard is finalized sooner.
@@ -11,14 +15,18 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from eagle3_datagen.config import ServerConfig
-from eagle3_datagen.protocol import OpenAIClient, RequestFailed
+from eagle3_datagen.protocol import UNKNOWN_MODEL, OpenAIClient, RequestFailed
 
 ENDPOINT_FAILURES_BEFORE_BACKOFF = 3
 ENDPOINT_MAX_COOLDOWN_S = 30.0
+# requests sent in a row to one endpoint and refused with the same message: the endpoint's refusal, not theirs.
+# Enough that prompts refused alike for their own reason (a malformed conversation) almost never line up so
+REPEATED_REFUSALS = 16
 
 Log = logging.Logger | logging.LoggerAdapter[Any]
 
@@ -37,6 +45,8 @@ class Endpoint:
     trial_in_flight: bool = False
     broken_answers: int = 0  # HTTP 500 or protocol-breaking answers in a row
     dead: bool = False  # given up on: no more requests go to it
+    refused_all: str | None = None  # why it was dropped when it refused every request, with the fix
+    sent: int = 0  # requests sent to it so far: each request's number in sending order
 
 
 class EndpointPool:
@@ -176,6 +186,16 @@ class EndpointPool:
             self._log.warning("endpoint %s answered %d requests in a row with an error (server.max_consecutive_errors"
                               "): no more requests go to it; last: %s", endpoint.url, limit, error)
 
+    def drop(self, url: str, cause: str) -> None:
+        """No more requests go to the endpoint at `url`: it refuses every request, for `cause` (with its fix)."""
+        endpoint = next(e for e in self.endpoints if e.url == url)
+        if endpoint.refused_all is not None:
+            return
+        endpoint.dead, endpoint.refused_all = True, cause
+        if any(not e.dead for e in self.endpoints):
+            self._log.warning("endpoint %s refuses every request: no more requests go to it; %s", url, cause)
+        self.check(time.monotonic())
+
     def _failed(self, endpoint: Endpoint, trial: bool, error: RequestFailed, now: float) -> None:
         if not trial:
             endpoint.failures += 1
@@ -198,6 +218,11 @@ class EndpointPool:
         limit = self._server.max_consecutive_errors
         silent = now - self.last_success
         alive = [e for e in self.endpoints if not e.dead]
+        refused = sorted({e.refused_all for e in self.endpoints if e.refused_all})
+        if not alive and refused:
+            self.gave_up = f"no endpoint is left that accepts requests: {'; '.join(refused)}"
+            self.wake()
+            return
         if not alive:
             self.gave_up = (f"every endpoint answered {limit} requests in a row with an error "
                             f"(server.max_consecutive_errors {limit})")
@@ -212,3 +237,76 @@ class EndpointPool:
     def close(self) -> None:
         for timer in self._timers:
             timer.cancel()
+
+
+def refused_all(error: RequestFailed, server: ServerConfig) -> str:
+    """Why an endpoint refused a request for a reason of its own, not the prompt's, and how to fix it."""
+    if error.status in (401, 403):
+        fix = (f"the server refuses the API key: set the right key in ${server.api_key_env} (server.api_key_env) "
+               "or the Secret block named by server.api_key_secret")
+    elif UNKNOWN_MODEL.search(str(error)):
+        fix = "the server does not serve this model: set model.name to a model in its /v1/models"
+    elif error.status in (404, 405):
+        fix = "no chat completions at this URL: set server.endpoints to the server's base URL (http://host:port)"
+    else:
+        fix = "fix the server or drop it from server.endpoints"
+    return f"{error} ({fix})"
+
+
+def repeated_refusal(refusal: str) -> str:
+    """The cause of an endpoint dropped for refusing many different prompts alike, with its fix."""
+    return (f"{refusal} (the same refusal to {REPEATED_REFUSALS} different prompts in a row: it is the server's, "
+            "not theirs; fix what it names: the server's flags, generation.extra_body or model.name)")
+
+
+Item = TypeVar("Item")
+
+
+class HeldRefusals(Generic[Item]):
+    """Refusals not yet known to be their prompt's own, per endpoint, numbered by when their request was sent.
+
+    A refusal is the prompt's own once a request sent later to the same endpoint ends otherwise (answered, or
+    refused with another message): an endpoint that refuses everything refuses every later request alike, even
+    while requests it took earlier are still being answered. It is the endpoint's when REPEATED_REFUSALS requests
+    sent in a row to it are refused with the same message.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, dict[int, tuple[str, Item]]] = {}
+
+    def answered(self, endpoint: str, sent: int) -> list[tuple[str, Item]]:
+        """The refusals a request sent `sent`-th to `endpoint` and answered clears, with their messages."""
+        return self._clear(endpoint, lambda number, message: number < sent)
+
+    def refused(self, endpoint: str, sent: int, message: str, item: Item) -> list[tuple[str, Item]]:
+        """Hold a refusal; returns the earlier refusals it clears (those with another message)."""
+        cleared = self._clear(endpoint, lambda number, other: number < sent and other != message)
+        self._held.setdefault(endpoint, {})[sent] = (message, item)
+        return cleared
+
+    def repeated(self, endpoint: str, sent: int) -> bool:
+        """Whether the refusal of the request sent `sent`-th is one of REPEATED_REFUSALS alike in a row."""
+        held = self._held.get(endpoint, {})
+        message = held[sent][0]
+
+        def alike(number: int) -> bool:
+            return number in held and held[number][0] == message
+
+        first = last = sent
+        while alike(first - 1):
+            first -= 1
+        while alike(last + 1):
+            last += 1
+        return last - first + 1 >= REPEATED_REFUSALS
+
+    def take(self, endpoint: str) -> list[tuple[str, Item]]:
+        """Every refusal still held for `endpoint`, no longer held."""
+        return self._clear(endpoint, lambda number, message: True)
+
+    def take_all(self) -> list[tuple[str, Item]]:
+        return [held for endpoint in list(self._held) for held in self.take(endpoint)]
+
+    def _clear(self, endpoint: str, cleared: Callable[[int, str], bool]) -> list[tuple[str, Item]]:
+        held = self._held.get(endpoint, {})
+        numbers = [number for number, (message, _) in held.items() if cleared(number, message)]
+        return [held.pop(number) for number in sorted(numbers)]

@@ -16,8 +16,8 @@ from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, ServerLoad, parse_metrics
 from tasks.generation.budget import FOLLOW_EVERY_S, RAMP_EVERY_S, SETTLED_EVERY_S, next_limit, next_pause
-from tasks.generation.pool import Endpoint, EndpointPool
-from tasks.generation.probation import EmptyReasoningTest, Outcome, Probation
+from tasks.generation.pool import REPEATED_REFUSALS, Endpoint, EndpointPool, HeldRefusals
+from tasks.generation.probation import Outcome, Probation, ShareTest
 from tasks.generation.progress import Timeline
 from tasks.generation.scheduler import StallClock
 
@@ -60,7 +60,7 @@ def test_a_malformed_first_answer_stops_the_run_and_is_not_kept() -> None:
 def test_the_sequential_test_stops_a_run_only_when_it_is_emptier_than_allowed(healthy: float) -> None:
     """Two answers in three empty: stopped exactly when that share is above the allowed rate, and then only once
     the share seen so far is above it too."""
-    test = EmptyReasoningTest.allowing(healthy)
+    test = ShareTest.allowing(healthy)
     empty = answers = 0
     for k in range(200):
         test.add(k % 3 != 2)
@@ -122,6 +122,17 @@ def test_vllm_metrics_are_summed_over_engines_and_histograms_ignored() -> None:
     ])
     assert parse_metrics(text) == ServerLoad(running=7.0, waiting=1.0, kv_cache_usage=0.25)
     assert parse_metrics("# no vLLM here\nprocess_cpu_seconds_total 1.0") is None
+
+
+def test_metrics_lines_this_client_cannot_read_are_skipped_not_fatal() -> None:
+    """A timestamp, a label value with spaces, a sample without a value or with NaN: the budget keeps following."""
+    text = "\n".join([
+        'vllm:num_requests_running{engine="0",model_name="my model"} 3.0 1700000000000',
+        'vllm:num_requests_waiting{engine="0",model_name="my model"} 1',
+        'vllm:num_requests_waiting{engine="1"}',
+        'vllm:kv_cache_usage_perc{engine="0"} NaN',
+    ])
+    assert parse_metrics(text) == ServerLoad(running=3.0, waiting=1.0, kv_cache_usage=None)
 
 
 def test_auto_budget_cannot_be_shared_across_runs() -> None:
@@ -196,3 +207,86 @@ def test_the_timeline_shows_the_exact_mean_in_flight_of_each_step(monkeypatch: p
     clock[0] = 105.0
     timeline.close_step(finished=1, integral=pool.in_flight_integral())
     assert [(row["t"], row["in_flight"]) for row in timeline.rows] == [(0.0, 0.0), (2.0, 2.0), (5.0, 2 / 3)]
+
+
+def test_failed_requests_are_no_evidence_so_the_window_stays_open_for_answers() -> None:
+    """31 requests that failed every try and one good answer do not pass the window: each failure gives its seat
+    back, and the window waits for answers."""
+    async def scenario() -> None:
+        probation = Probation(32, [ENDPOINT], "m", BUILTIN_PROFILES["qwen3"], ValidationConfig())
+        for _ in range(32):
+            assert await probation.admit() == "window"
+        waiting = asyncio.create_task(probation.admit())
+        await asyncio.sleep(0)
+        assert not waiting.done(), "the window is full"
+        for _ in range(31):
+            probation.observe(Outcome(ENDPOINT))  # failed every try
+        probation.observe(answer("thinking…"))
+        assert not probation.passed and probation.error is None
+        assert await waiting == "window", "a failure's seat is given back"
+        for _ in range(6):
+            probation.observe(answer("thinking…"))
+        assert probation.passed, "seven answers are evidence enough"
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("status", "message", "own"), [
+    (400, "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens", True),
+    (422, "body -> temperature: Input should be less than or equal to 2", True),
+    (400, "The model `qwen3` does not exist.", False),
+    (401, "Unauthorized", False),
+    (403, "Forbidden", False),
+    (404, "The model `qwen3` does not exist.", False),
+    (404, "Not Found", False),
+    (405, "Method Not Allowed", False),
+])
+def test_only_a_refusal_about_the_request_itself_is_the_prompts(status: int, message: str, own: bool) -> None:
+    failed = RequestFailed(f"HTTP {status} from {ENDPOINT}/v1/chat/completions: {message}", status, False)
+    assert failed.refused_request is own
+
+
+def test_a_refusal_is_held_until_a_later_request_ends_otherwise_and_many_alike_in_a_row_are_the_endpoints() -> None:
+    held: HeldRefusals[str] = HeldRefusals()
+    assert held.refused(ENDPOINT, 5, "too long", "p5") == []
+    assert held.answered(ENDPOINT, 3) == [], "a request sent earlier proves nothing about a later refusal"
+    assert held.answered(ENDPOINT, 6) == [("too long", "p5")]
+    held.refused(ENDPOINT, 7, "too long", "p7")
+    assert held.refused(ENDPOINT, 8, "bad roles", "p8") == [("too long", "p7")], "another message: p7's own"
+    last = 8 + REPEATED_REFUSALS - 1
+    for sent in range(9, last):
+        held.refused(ENDPOINT, sent, "bad roles", f"p{sent}")
+        assert not held.repeated(ENDPOINT, sent)
+    held.refused(ENDPOINT, last, "bad roles", "last")
+    assert held.repeated(ENDPOINT, last), "the same refusal to REPEATED_REFUSALS requests sent in a row"
+    assert [item for _, item in held.take(ENDPOINT)] == [f"p{sent}" for sent in range(8, last)] + ["last"]
+
+
+def test_refusals_that_jump_after_the_window_stop_the_run_and_an_endpoints_are_taken_back() -> None:
+    probation, _ = judge([answer("thinking…")] * 7)
+    assert probation.passed
+    for _ in range(200):  # a healthy run: one refusal in ten
+        probation.observe(Outcome(ENDPOINT, refusal="too long"))
+        assert probation.error is None and not probation.refusals_in_line
+        for _ in range(9):
+            probation.observe(answer("thinking…"))
+        assert probation.refusals_in_line
+    for _ in range(40):
+        probation.observe(Outcome(ENDPOINT, refusal="the endpoint's"))
+        probation.retract("the endpoint's")
+    assert probation.error is None and probation.refusals_in_line, "refusals taken back are no evidence"
+    for refused in range(1, 100):
+        probation.observe(Outcome(ENDPOINT, refusal=f"refusal {refused}"))
+        if probation.error is not None:
+            break
+    assert 20 < refused < 60
+    assert str(probation.error).startswith(f"stopped: the server refused {min(refused, 32)} of the last 32 requests")
+
+
+def test_one_server_listed_twice_is_refused() -> None:
+    tree = {"run_name": "r", "data": {"source": "d.jsonl"},
+            "model": {"name": "m", "profile": "qwen3", "tokenizer": "t"}}
+    for twice in (["http://h:8000", "http://h:8000/v1"], ["http://h:8000/", "http://H:8000/v1/"]):
+        with pytest.raises(ConfigurationError, match=r"are the same server .*list it once"):
+            parse_config({**tree, "server": {"endpoints": twice}})
+    assert ServerConfig(endpoints=["http://h:8000/v1", "http://g:8000"]).endpoints == ["http://h:8000", "http://g:8000"]
