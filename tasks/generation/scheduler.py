@@ -29,7 +29,7 @@ from eagle3_datagen.profiles import ModeSpec
 from eagle3_datagen.protocol import OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
 from tasks.generation.budget import AUTO_CAP, AUTO_START, follow_load
-from tasks.generation.pool import Endpoint, EndpointPool, Log
+from tasks.generation.pool import Endpoint, EndpointPool, HeldRefusals, Log, refused_all, repeated_refusal
 from tasks.generation.probation import MIN_WINDOW, Outcome, Probation
 from tasks.generation.records import (
     SETTINGS_FILE,
@@ -133,6 +133,8 @@ class GenerationScheduler:
         self.counts = _Counts()
         self.total = 0
         self._window: list[Prompt] = []
+        self._held: HeldRefusals[Prompt] = HeldRefusals()  # refusals not yet known to be their prompts' own
+        self._cleared: list[tuple[str, Prompt]] = []  # known to be, and written once the run's refusals are in line
         self._requests: set[asyncio.Task[None]] = set()
         self._crash: BaseException | None = None  # what a request's task raised: the run stops with it
         self._writes: dict[int, asyncio.Future[ShardRef]] = {}
@@ -224,6 +226,8 @@ class GenerationScheduler:
         helpers = [asyncio.create_task(self._report())]
         if auto:
             helpers += [asyncio.create_task(follow_load(self.pool, e, self.log)) for e in self.pool.endpoints]
+        for helper in helpers:
+            helper.add_done_callback(self._ended)  # a helper that raised stops the run, as a request would
         self._dispatcher = asyncio.ensure_future(self._dispatch())
         try:
             try:
@@ -257,21 +261,38 @@ class GenerationScheduler:
         return [self.finished[r.index] for r in prompt_shards]
 
     async def _dispatch(self) -> None:
-        """Take an admission and a slot, then the next prompt, and start its request; then wait for the last."""
+        """Start requests until no prompt is left, then wait for the last; prompts sent back meanwhile by an
+        endpoint that was dropped start another round. Once every prompt has ended, the refusals still held are
+        their prompts' own: no endpoint refused them all."""
+        while await self._start_requests():
+            while self._requests:
+                await asyncio.wait(set(self._requests))
+            if self.probation.error is not None or self.pool.gave_up is not None:
+                return
+            if not self.queue:
+                self._cleared += self._held.take_all()
+                self._reject_cleared()
+                return
+        while self._requests:
+            await asyncio.wait(set(self._requests))
+
+    async def _start_requests(self) -> bool:
+        """Take an admission and a slot, then the next prompt, and start its request; True once no prompt is left,
+        False when the run stops."""
         while True:
             await self._refill()
             if not self.queue:
-                break
+                return True
             admission = await self.probation.admit()
             if admission == "aborted":
-                break
+                return False
             slot = await self.pool.acquire()
             if slot is None:
                 self.probation.abandon()
-                break
+                return False
             if self.probation.error is not None:  # judged while this slot was awaited
                 self.pool.give_back(*slot)
-                break
+                return False
             if not self.queue:  # emptied by requests carrying on while this slot was awaited
                 self.pool.give_back(*slot)
                 continue
@@ -281,8 +302,6 @@ class GenerationScheduler:
             request = asyncio.create_task(self._request(prompt, slot))
             self._requests.add(request)
             request.add_done_callback(self._ended)
-        while self._requests:
-            await asyncio.wait(set(self._requests))
 
     async def _request(self, prompt: Prompt, slot: tuple[Endpoint, bool]) -> None:
         """Ask `prompt`, then the next ones on the same slot while the pool lets it carry on: a request carrying
@@ -300,30 +319,56 @@ class GenerationScheduler:
             prompt, slot = self.queue.popleft(), kept
 
     def _keep(self, prompt: Prompt, outcome: Outcome) -> None:
-        """Log how `prompt` ended in its shard's state and judge it in the probation."""
+        """Log how `prompt` ended in its shard's state and judge it in the probation.
+
+        A refusal is held until it is known to be the prompt's own (`HeldRefusals`), and written once the run's
+        refusals are within `validation.min_accepted_rate`: one that proves to be its endpoint's is asked again.
+        """
         if outcome.abandoned:
             self.probation.abandon()
             return
         keep = self.probation.observe(outcome)
-        state = self.states[prompt.shard]
         if outcome.completions and keep:
-            state.append({"position": prompt.position, "records": new_records(prompt, outcome.completions)})
+            self.states[prompt.shard].append({"position": prompt.position,
+                                              "records": new_records(prompt, outcome.completions)})
             self.counts.accepted += 1
             self.counts.tokens += int(outcome.completions[0].usage.get("completion_tokens") or 0)
+            self._cleared += self._held.answered(outcome.endpoint, outcome.sent)
         elif outcome.refusal is not None:
-            state.append({"position": prompt.position, "rejected": {
-                "id": prompt.record_id, "stage": "generations", "reason": outcome.refusal}})
-            self.counts.rejected += 1
+            self._cleared += self._held.refused(outcome.endpoint, outcome.sent, outcome.refusal, prompt)
+            if self._held.repeated(outcome.endpoint, outcome.sent):
+                self._drop(outcome.endpoint, repeated_refusal(outcome.refusal))
         elif not outcome.completions:
             self.counts.failed += 1
+        if self.probation.refusals_in_line:
+            self._reject_cleared()
         if self.probation.error is not None:
             self._stop_requests()
         elif self.probation.passed:
             self._after_pass(prompt)
 
+    def _reject_cleared(self) -> None:
+        """Write the refusals known to be their prompts' own."""
+        for reason, prompt in self._cleared:
+            self.states[prompt.shard].append({"position": prompt.position, "rejected": {
+                "id": prompt.record_id, "stage": "generations", "reason": reason}})
+            self.counts.rejected += 1
+            if self.probation.passed and self.probation.error is None:
+                self._after_pass(prompt)
+        self._cleared = []
+
+    def _drop(self, endpoint: str, cause: str) -> None:
+        """Send nothing more to an endpoint that refuses every request; the prompts whose refusals it holds are
+        asked again, first."""
+        self.pool.drop(endpoint, cause)
+        self.probation.endpoint_dropped(endpoint)
+        for reason, prompt in self._held.take(endpoint):
+            self.probation.retract(reason)
+            self.queue.appendleft(prompt)
+
     def _ended(self, request: asyncio.Task[None]) -> None:
-        """A request's task ended. One that raised (a bug, a full disk) stops the run with its error, instead of
-        leaving a gap that would read as unreachable servers."""
+        """A request's task (or a helper's) ended. One that raised (a bug, a full disk) stops the run with its
+        error, instead of leaving a gap that would read as unreachable servers, or a budget that no longer moves."""
         self._requests.discard(request)
         if request.cancelled() or request.exception() is None or self._crash is not None:
             return
@@ -365,16 +410,22 @@ class GenerationScheduler:
 
     async def _send(self, prompt: Prompt, slot: tuple[Endpoint, bool] | None
                     ) -> tuple[Outcome, tuple[Endpoint, bool] | None]:
-        """How `prompt` ended, and the slot when the pool let this request keep it for the next prompt."""
+        """How `prompt` ended, and the slot when the pool let this request keep it for the next prompt.
+
+        An endpoint that refuses every request (the key, the model, the route) is dropped and the prompt asked
+        elsewhere: that refusal is not the prompt's, and costs it no try.
+        """
         settings = self.settings
         body = build_chat_request(settings.model, prompt.messages, self._mode_specs[prompt.mode], settings.generation,
                                   seed=prompt.seed)
-        for attempt in range(self.server.max_retries + 1):
+        attempt = 0
+        while True:
             if slot is None:
                 slot = await self.pool.acquire(retry=True)
                 if slot is None:
                     return Outcome(abandoned=True), None
             endpoint, trial = slot
+            sent, endpoint.sent = endpoint.sent, endpoint.sent + 1
             try:
                 if self._run_budget is None:
                     completions = await endpoint.client.chat(body, settings.profile)
@@ -382,23 +433,28 @@ class GenerationScheduler:
                     async with self._run_budget(endpoint.url):
                         completions = await endpoint.client.chat(body, settings.profile)
             except RequestFailed as error:
-                self.pool.release(endpoint, trial, error if error.retryable else None)
+                if error.refused_request:
+                    self.pool.release(endpoint, trial, None)
+                    return Outcome(endpoint.url, refusal=str(error), mode=prompt.mode, sent=sent), None
+                slot = None
                 if not error.retryable:
-                    return Outcome(endpoint.url, refusal=str(error), mode=prompt.mode), None
+                    self.pool.give_back(endpoint, trial)
+                    self._drop(endpoint.url, refused_all(error, self.server))
+                    continue
+                self.pool.release(endpoint, trial, error)
                 if attempt == self.server.max_retries:
                     self.log.debug("record %s not generated after %d tries: %s", prompt.record_id, attempt + 1, error)
-                    return Outcome(endpoint.url, mode=prompt.mode), None
+                    return Outcome(endpoint.url, mode=prompt.mode, sent=sent), None
                 self.counts.retries += 1
-                slot = None
                 await asyncio.sleep(self.server.retry_backoff_s * 2**attempt * random.uniform(0.5, 1.5))
+                attempt += 1
                 continue
             except BaseException:  # cancelled: the slot goes back without a verdict on the endpoint
                 self.pool.give_back(endpoint, trial)
                 raise
             carry_on = self.probation.passed and self.probation.error is None and bool(self.queue)
             kept = self.pool.release(endpoint, trial, None, carry_on)
-            return Outcome(endpoint.url, completions=completions, mode=prompt.mode), slot if kept else None
-        raise AssertionError("unreachable")
+            return Outcome(endpoint.url, completions=completions, mode=prompt.mode, sent=sent), slot if kept else None
 
     def _remaining(self) -> int:
         return self.total - self.counts.accepted - self.counts.rejected - self.counts.failed
