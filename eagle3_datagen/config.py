@@ -251,7 +251,8 @@ class ValidationConfig(_Section):
     )
     early_abort_after: PositiveInt | None = Field(
         default=None,
-        description="The most requests a run may spend before its first answers are judged: it goes on as soon "
+        description="The most requests a run may spend before its first answers are judged (one that failed every "
+        "try proves nothing and gives its place to another): it goes on as soon "
         "as they show reasoning (and instant-mode ones none), and stops with the cause when they show none (or "
         "instant-mode ones show it) or the server refuses them; what is in flight then is cancelled. Default: "
         "one in-flight budget (every endpoint's, at least 32; under `auto`, what it grows to meanwhile), so no "
@@ -280,7 +281,8 @@ class ValidationConfig(_Section):
     min_accepted_rate: float = Field(
         default=0.5, ge=0, le=1,
         description="A run that accepts a smaller share of its prompts into the training set ends Failed; the "
-        "early-abort window stops a run whose first requests are refused more often than this allows.",
+        "early-abort window stops a run whose first requests are refused more often than this allows, and so does "
+        "a share of refusals that rises above it later (the refused prompts are asked again after the fix).",
     )
 
 
