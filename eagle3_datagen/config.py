@@ -249,6 +249,11 @@ class ValidationConfig(_Section):
         default=0.10, ge=0, le=1,
         description="A shard with a larger share of answers cut by max_tokens (finish_reason length) is quarantined.",
     )
+    max_unclosed_reasoning_rate: float = Field(
+        default=0.10, ge=0, le=1, description="A shard with a larger share of records that ended their turn inside "
+        "their reasoning (no think-end id, not cut by max_tokens) among its records of modes that think is "
+        "quarantined; below it they are kept, as what the model did.",
+    )
     early_abort_after: PositiveInt | None = Field(
         default=None,
         description="The most requests a run may spend before its first answers are judged (one that failed every "

@@ -162,12 +162,19 @@ class RunStore:
             return None
 
     def read_shard(self, ref: ShardRef) -> bytes:
-        """The one way a stage reads the previous stage's output: refused if it changed since it was written."""
+        """The one way a stage reads the previous stage's output: refused if it changed since it was written.
+
+        A changed file's completion marker is dropped (if it still vouches for the content `ref` names), so the
+        producer's next run looks at the file again instead of trusting the marker forever.
+        """
         data = self.read_bytes(ref.path)
         if sha256_hex(data) != ref.sha256:
+            marker = marker_path(ref.path)
+            if self.exists(marker) and self.read_json(marker).get("sha256") == ref.sha256:
+                self.remove(marker)
             raise ArtifactChanged(
                 f"{ref.path} changed since the {ref.stage} stage wrote it: run the pipeline again so the "
-                f"{ref.stage} stage writes it anew (finished work elsewhere is kept)"
+                f"{ref.stage} stage looks at it anew (finished work elsewhere is kept)"
             )
         return data
 

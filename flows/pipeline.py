@@ -14,7 +14,7 @@ from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.hidden_state_format import check_compression
 from eagle3_datagen.storage import RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
-from tasks.generation import GenerationSettings, generate, generated_shards, unfinished_shards
+from tasks.generation import GenerationSettings, generate, generated_shards, unfinished_shards, unmarked_shards
 from tasks.health import check_servers
 from tasks.hidden_states import extract_hidden_states
 from tasks.prompts import load_prompts
@@ -40,7 +40,8 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     Args:
         config: The run, section by section as in the YAML config (data, model, server, generation, validation,
             sequences, hidden states).
-        regenerate: Look at storage again instead of trusting generation's cache (after shards were reopened).
+        regenerate: Look at storage again instead of trusting generation's cache (after shards were reopened;
+            done anyway while a shard's generations have no completion marker).
     """
     config = settled_output(config)
     check_task_runner(config.execution)
@@ -50,10 +51,11 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     prompts = load_prompts(config.data, fingerprint(config.data.source), **where)
     settings = GenerationSettings(config.model.name, config.profile, config.generation, config.data.source)
 
-    if unfinished_shards(prompts.shards, **where):
+    unmarked = unmarked_shards(prompts.shards, **where)  # unfinished, or found changed by a later stage
+    if unfinished_shards(unmarked, **where):
         check_servers(config.model.name, config.profile, config.server, config.generation, config.validation,
                       prompts.shards, config.model.tokenizer, **where)
-    generation_task = generate.with_options(refresh_cache=True) if regenerate else generate
+    generation_task = generate.with_options(refresh_cache=True) if regenerate or unmarked else generate
     generation = generation_task.submit(prompts.shards, settings, config.server, config.validation,
                                         config.sequences.source, **where)
     generations = generated_shards(allow_failure(generation), config.run_name)  # a failed shard holds none back

@@ -8,8 +8,10 @@ only). The whole
 conversation is never rendered through the template, which would drop the reasoning. `sequences.source` picks
 the way ((a) where the server sent ids under `auto`); where the server sent ids, a sample of prompts
 (`sequences.cross_check_rate`) is rebuilt from text too and the agreement recorded per sample. A text
-rebuild is kept only when its token counts equal the server's usage counts, and every sample's completion must
-carry exactly one think-end id: a sample not provably exact is rejected with its cause, never trained on.
+rebuild is kept only when its token counts equal the server's usage counts, and a completion may carry at most
+one think-end id: a sample not provably exact is rejected with its cause, never trained on. A completion without
+one (the model ended its turn inside its reasoning, or max_tokens cut it there) is what the model did and is kept;
+validation counts the first kind (`unclosed_reasoning`, quarantined above `validation.max_unclosed_reasoning_rate`).
 """
 
 from __future__ import annotations

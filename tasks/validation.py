@@ -54,14 +54,14 @@ class ShardValidation:
 
     def rate_of(self, name: str) -> float:
         """A check's rate over the records it applies to: reasoning checks over their own modes' records."""
-        of = {"empty_reasoning": self.thinking_records,
+        of = {"empty_reasoning": self.thinking_records, "unclosed_reasoning": self.thinking_records,
               "unexpected_reasoning": self.records - self.thinking_records}.get(name, self.records)
         return self.rate(getattr(self, name), of)
 
     def as_dict(self) -> dict[str, Any]:
         counts = asdict(self)
         names = ("empty_reasoning", "empty_content", "truncated", "leaked_tags", "duplicate_ids",
-                 "token_text_mismatch", "think_end_miscount", "unexpected_reasoning")
+                 "token_text_mismatch", "think_end_miscount", "unclosed_reasoning", "unexpected_reasoning")
         counts["rates"] = {name: round(self.rate_of(name), 6) for name in names}
         return counts
 
@@ -90,8 +90,9 @@ def validate_records(
 ) -> ShardValidation:
     """Count what can silently ruin training data and decide pass or quarantine, in one pass over the records.
 
-    Each record is held to its own mode: one that thinks must carry reasoning and close it once; one answered
-    without reasoning (instant) must carry none and no think-end id.
+    Each record is held to its own mode: one that thinks must carry reasoning and close it at most once (a record
+    that never closed it is kept, counted as `unclosed_reasoning`); one answered without reasoning (instant) must
+    carry none and no think-end id.
     """
     tags = (profile.think_start, profile.think_end)
     ids: Counter[str] = Counter()
@@ -138,6 +139,7 @@ def validate_records(
         ("leaked_tags", thresholds.max_leaked_tags_rate),
         ("token_text_mismatch", thresholds.max_token_text_mismatch_rate),
         ("think_end_miscount", thresholds.max_token_text_mismatch_rate),
+        ("unclosed_reasoning", thresholds.max_unclosed_reasoning_rate),
     ):
         rate = result.rate_of(name)
         if rate > limit:

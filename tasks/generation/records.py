@@ -2,15 +2,24 @@
 
 A record is appended to its shard's partial log the moment it completes, so a killed run resumes without asking
 a finished prompt again; a finished shard is written atomically, in prompt order, and its log removed.
+
+Nothing kept can be attached to another prompt or other settings: the settings are pinned, with a fresh run id,
+before the first answer is kept; every log entry carries its prompt's id, and every log (each attempt's part of
+it, each segment) starts with a header naming the run id and the prompt shard's sha256. A resume places entries
+by their logged position only under the current prompt shard's sha256, else by prompt id, and drops what belongs
+to no prompt of the shard or to another run of the same name.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import shutil
 import time
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -24,6 +33,7 @@ from eagle3_datagen.modes import assign_mode
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import Completion
 from eagle3_datagen.storage import RunStore
+from tasks.generation.pool import Log
 
 SETTINGS_FILE = "generations/settings.json"
 SEGMENT_RECORDS = 1000  # a partial-log segment in object storage holds at most this many entries...
@@ -60,20 +70,27 @@ class GenerationSettings:
         return assign_mode(prompt_id, self.generation.mode_mix(self.profile))
 
 
-def check_settings(store: RunStore, settings: GenerationSettings) -> None:
-    """Refuse to resume or extend a run whose generations were made with other settings."""
-    if store.exists(SETTINGS_FILE) and store.read_json(SETTINGS_FILE)["fingerprint"] != settings.fingerprint():
+def pin_settings(store: RunStore, settings: GenerationSettings) -> tuple[str, bool]:
+    """The run id a run's generations are pinned to, and whether this call pinned them (a fresh run).
+
+    Called before any request, so no answer is ever kept under settings other than the recorded ones; a run
+    pinned to other settings is refused. A run pinned by an older version gets its run id now.
+    """
+    pinned = store.read_json(SETTINGS_FILE) if store.exists(SETTINGS_FILE) else None
+    if pinned is not None and pinned["fingerprint"] != settings.fingerprint():
         raise GenerationError(
             f"run {store.uri} was generated with other settings (model, sampling, modes, profile or prompt "
             f"source differ): use a new run_name, or restore the settings recorded in {SETTINGS_FILE}"
         )
-
-
-def record_settings(store: RunStore, settings: GenerationSettings) -> None:
-    """Pin the settings once a record is kept under them (after the early-abort window passed)."""
-    if not store.exists(SETTINGS_FILE):
+    if pinned is not None and "run_id" in pinned:
+        return pinned["run_id"], False
+    fresh = pinned is None
+    if pinned is None:
         payload = json.loads(json.dumps(asdict(settings), default=lambda o: o.model_dump()))
-        store.write_json(SETTINGS_FILE, {"fingerprint": settings.fingerprint(), **payload})
+        pinned = {"fingerprint": settings.fingerprint(), **payload}
+    run_id = uuid.uuid4().hex
+    store.write_json(SETTINGS_FILE, {**pinned, "run_id": run_id})
+    return run_id, fresh
 
 
 @dataclass
@@ -107,14 +124,27 @@ def new_records(prompt: Prompt, completions: list[Completion]) -> list[dict[str,
     ]
 
 
-def partial_log_path(store: RunStore, index: int) -> Path:
-    """Where a shard's partial log lives: beside the shard on local disk, else in a local spool folder."""
+def spool_folder(store: RunStore) -> Path:
+    """Where a run in object storage keeps its local partial logs: one folder per run folder, holding one folder
+    per run id (a run deleted and started again under its name is another run)."""
+    spool = Path(os.environ.get("EAGLE3_SPOOL_DIR", Path.home() / ".cache" / "eagle3-datagen" / "partials"))
+    return spool / hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+
+
+def partial_log_path(store: RunStore, index: int, run_id: str) -> Path:
+    """Where a shard's partial log lives: beside the shard on local disk, else in the run id's spool folder."""
     rel = artifact_path("generations", index).replace(".jsonl", ".partial.jsonl")
     local = store.local_path(rel)
-    if local is not None:
-        return Path(local)
-    spool = Path(os.environ.get("EAGLE3_SPOOL_DIR", Path.home() / ".cache" / "eagle3-datagen" / "partials"))
-    return spool / hashlib.sha256(store.uri.encode()).hexdigest()[:16] / rel
+    return Path(local) if local is not None else spool_folder(store) / run_id / rel
+
+
+def drop_other_spools(store: RunStore, run_id: str) -> list[Path]:
+    """Remove the local spools of other runs that had this run folder's name; returns them."""
+    folder = spool_folder(store)
+    others = [spool for spool in folder.iterdir() if spool.name != run_id] if folder.is_dir() else []
+    for spool in others:
+        shutil.rmtree(spool)
+    return others
 
 
 def segment_folder(index: int) -> str:
@@ -122,15 +152,10 @@ def segment_folder(index: int) -> str:
     return artifact_path("generations", index).replace(".jsonl", ".partial")
 
 
-def replay(entries: Iterable[dict[str, Any]], done: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """Apply partial-log entries in order: an entry per position, a `discard` voids the one before it (records of
-    an aborted early-abort window, asked again once the cause is fixed)."""
-    for entry in entries:
-        if "discard" in entry:
-            done.pop(entry["position"], None)
-        else:
-            done[entry["position"]] = kept_form(entry)
-    return done
+def log_header(run_id: str, prompts: ShardRef) -> str:
+    """The line each attempt's part of a partial log, and each segment, starts with: the run its entries belong
+    to, and the prompt shard their positions refer to."""
+    return json.dumps({"run_id": run_id, "prompts_sha256": prompts.sha256})
 
 
 def kept_form(entry: dict[str, Any]) -> dict[str, Any]:
@@ -141,33 +166,73 @@ def kept_form(entry: dict[str, Any]) -> dict[str, Any]:
     """
     if "records" not in entry:
         return entry
-    return {"position": entry["position"], "lines": [orjson.dumps(r).decode() for r in entry["records"]]}
+    return {"id": entry["id"], "position": entry["position"],
+            "lines": [orjson.dumps(r).decode() for r in entry["records"]]}
 
 
 def log_line(entry: dict[str, Any]) -> str:
     """The partial-log line of an entry in its kept form (records serialized once, not twice)."""
     if "lines" not in entry:
         return json.dumps(entry, ensure_ascii=False)
-    return f'{{"position": {entry["position"]}, "records": [{", ".join(entry["lines"])}]}}'
+    return (f'{{"id": {json.dumps(entry["id"])}, "position": {entry["position"]}, '
+            f'"records": [{", ".join(entry["lines"])}]}}')
 
 
-def read_partial_log(path: Path) -> dict[int, dict[str, Any]]:
-    """Finished entries by position from a local partial log; a torn last line (killed mid-write) is ignored."""
+def read_log_lines(path: Path) -> list[str]:
+    """A local partial log's lines. A torn last line (killed mid-write) is cut from the file, so the next entry
+    appended starts a line of its own instead of joining it (and being lost with it)."""
     if not path.exists():
-        return {}
-    entries = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return replay(entries, {})
+        return []
+    data = path.read_bytes()
+    whole = data.rfind(b"\n") + 1
+    if whole < len(data):
+        with path.open("r+b") as log:
+            log.truncate(whole)
+    return data[:whole].decode("utf-8").splitlines()
 
 
-def read_segments(store: RunStore, index: int) -> tuple[list[dict[str, Any]], int]:
-    """A shard's partial-log segments in run storage, in order, and how many there are."""
-    segments = store.list(segment_folder(index), ".jsonl")
-    return [entry for rel in segments for entry in store.read_jsonl(rel)], len(segments)
+@dataclass
+class Replay:
+    """Places a shard's partial-log entries at their prompt's current position.
+
+    Under a header naming the current prompt shard, an entry goes where it was logged; under another (a dataset
+    that gained or lost rows, another `data.limit`, `shard_size`, `split` or `turns`), where its prompt id is now,
+    and nowhere if its prompt left the shard (it is asked again where it is now). A `discard` voids its prompt's
+    entry (an aborted early-abort window's answers, asked again once the cause is fixed).
+    """
+
+    prompts: ShardRef
+    run_id: str
+    positions: Callable[[], dict[str, int]]  # prompt id to position, read only if the prompt shard changed
+    entries: dict[int, dict[str, Any]] = field(default_factory=dict)
+    dropped: int = 0  # entries whose prompt is no longer in the shard
+
+    def apply(self, lines: list[str], source: str) -> bool:
+        """Apply a log's lines in order; False, with nothing applied, when the log is another run's."""
+        if not lines:
+            return True
+        header = json.loads(lines[0])
+        if "run_id" not in header:
+            raise GenerationError(
+                f"{source} was written by an older eagle3-datagen, without prompt ids: finish the run with that "
+                "version, or delete it (its prompts are asked again)"
+            )
+        if header["run_id"] != self.run_id:
+            return False
+        same_prompts = True
+        for line in lines:
+            entry = json.loads(line)
+            if "run_id" in entry:
+                same_prompts = entry["prompts_sha256"] == self.prompts.sha256
+                continue
+            at = entry["position"] if same_prompts else self.positions().get(entry["id"])
+            if at is None:
+                self.dropped += "discard" not in entry
+            elif "discard" in entry:
+                self.entries.pop(at, None)
+            else:
+                self.entries[at] = {**kept_form(entry), "position": at}
+        return True
 
 
 @dataclass
@@ -180,8 +245,8 @@ class ShardState:
     """
 
     ref: ShardRef
-    size: int
     log_path: Path
+    header: str  # `log_header`: the first line of this attempt's part of the log, and of each segment
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
     log: IO[str] | None = None
     spill: Callable[[str, list[str]], None] | None = None
@@ -189,15 +254,21 @@ class ShardState:
     pending: list[str] = field(default_factory=list)
     spilled_at: float = field(default_factory=time.monotonic)
 
-    def append(self, entry: dict[str, Any]) -> None:
+    def append(self, prompt: Prompt, **outcome: Any) -> None:
+        """Log how `prompt` ended: `records`, `rejected` or `discard`; the entry carries the prompt's own id and
+        position, so it can never be placed at another prompt's."""
         if self.log is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log = self.log_path.open("a", encoding="utf-8")
-        entry = kept_form(entry)
+            self.log.write(self.header + "\n")
+        entry = kept_form({"id": prompt.record_id, "position": prompt.position, **outcome})
         line = log_line(entry)
         self.log.write(line + "\n")
         self.log.flush()
-        replay([entry], self.entries)
+        if "discard" in entry:
+            self.entries.pop(prompt.position, None)
+        else:
+            self.entries[prompt.position] = entry
         if self.spill is not None:
             self.pending.append(line)
             if len(self.pending) >= SEGMENT_RECORDS or time.monotonic() - self.spilled_at >= SEGMENT_EVERY_S:
@@ -205,20 +276,59 @@ class ShardState:
 
     def spill_segment(self) -> None:
         if self.spill is not None and self.pending:
-            self.spill(f"{segment_folder(self.ref.index)}/segment-{self.segments:05d}.jsonl", self.pending)
+            self.spill(f"{segment_folder(self.ref.index)}/segment-{self.segments:05d}.jsonl",
+                       [self.header, *self.pending])
             self.segments += 1
         self.pending, self.spilled_at = [], time.monotonic()
 
     def close(self) -> None:
         """Keep what is pending (a run stopped short resumes from it) and close the local log."""
-        self.spill_segment()
-        if self.log is not None:
-            self.log.close()
-            self.log = None
+        try:
+            self.spill_segment()
+        finally:
+            if self.log is not None:
+                self.log.close()
+                self.log = None
 
     @property
     def complete(self) -> bool:
-        return len(self.entries) == self.size
+        return len(self.entries) == self.ref.num_records
+
+
+def resume_shard(store: RunStore, prompts: ShardRef, run_id: str, spill: Callable[[str, list[str]], None] | None,
+                 log: Log) -> ShardState:
+    """An unfinished shard's state: what its finished file (written for an older prompt shard), its segments in
+    run storage and its local log hold for the current prompts. Logs and segments of another run of this name
+    are removed."""
+    replay = Replay(prompts, run_id, functools.cache(lambda: prompt_positions(store, prompts)))
+    previous = finished_shard(store, prompts.index, replay.positions)
+    if previous is not None:
+        replay.entries = previous[1]
+    state = ShardState(prompts, partial_log_path(store, prompts.index, run_id), log_header(run_id, prompts),
+                       spill=spill)
+    stale: list[str] = []
+    for rel in store.list(segment_folder(prompts.index), ".jsonl") if spill is not None else []:
+        if replay.apply(store.read_text(rel).splitlines(), rel):
+            state.segments = int(rel.rsplit("-", 1)[1].removesuffix(".jsonl")) + 1
+        else:
+            store.remove(rel)
+            stale.append(rel)
+    if not replay.apply(read_log_lines(state.log_path), str(state.log_path)):
+        state.log_path.unlink()
+        stale.append(str(state.log_path))
+    if stale:
+        log.warning("removed %s: partial logs of another run that had this run's name", ", ".join(stale))
+    if replay.dropped:
+        log.warning("shard %05d: %d answers dropped, their prompts are no longer in the shard (the prompts "
+                    "changed since they were logged): they are asked again where they are now",
+                    prompts.index, replay.dropped)
+    state.entries = replay.entries
+    return state
+
+
+def prompt_positions(store: RunStore, prompts: ShardRef) -> dict[str, int]:
+    """Each prompt id of a prompt shard, and its position there."""
+    return {prompt["id"]: at for at, prompt in enumerate(store.read_shard_records(prompts))}
 
 
 def finalize_shard(store: RunStore, state: ShardState) -> ShardRef:
@@ -238,9 +348,11 @@ def finalize_shard(store: RunStore, state: ShardState) -> ShardRef:
 
 
 def finished_shard(
-    store: RunStore, index: int, prompts: Iterable[dict[str, Any]]
+    store: RunStore, index: int, positions: Callable[[], dict[str, int]]
 ) -> tuple[ShardRef, dict[int, dict[str, Any]]] | None:
-    """A finished shard's ref, and its records and rejections keyed by their prompt's current position.
+    """A finished shard's ref, and its records and rejections keyed by their prompt's current position
+    (`positions`: prompt id to position, asked only if the shard exists); records of prompts no longer in the
+    shard are left out.
 
     None if the shard was never finished. Fewer entries than prompts means the prompt shard grew (a dataset
     that gained rows, say): only the new prompts are generated, the finished records are kept.
@@ -249,7 +361,7 @@ def finished_shard(
     if not store.exists(path):
         return None
     data = store.read_bytes(path)
-    position = {prompt["id"]: i for i, prompt in enumerate(prompts)}
+    position = positions()
     entries: dict[int, dict[str, Any]] = {}
     for line in data.decode("utf-8").splitlines():
         at = position.get(prompt_id_of(json.loads(line)["id"]))
@@ -272,15 +384,20 @@ def marked_finished(store: RunStore, prompts: ShardRef) -> ShardRef | None:
     return ShardRef(*(marker[name] for name in ("stage", "index", "path", "num_records", "sha256")))
 
 
-def unfinished_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: str) -> list[int]:
-    """Shards with prompts not yet generated: the server is needed only if this is non-empty."""
+def unmarked_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: str) -> list[ShardRef]:
+    """Prompt shards whose generations no completion marker vouches for: unfinished, or dropped by a stage that
+    found them changed. Generation must look at storage for these, not at its cache."""
+    store = RunStore(output_uri, run_name)
+    return [ref for ref in prompt_shards if marked_finished(store, ref) is None]
+
+
+def unfinished_shards(unmarked: list[ShardRef], output_uri: str, run_name: str) -> list[int]:
+    """Of the `unmarked_shards`, those with prompts not yet generated: the server is needed only if this is
+    non-empty."""
     store = RunStore(output_uri, run_name)
     unfinished = []
-    for ref in prompt_shards:
-        if marked_finished(store, ref) is not None:
-            continue
-        prompts = list(store.read_shard_records(ref))
-        done = finished_shard(store, ref.index, prompts)
-        if done is None or len(done[1]) < len(prompts):
+    for ref in unmarked:
+        done = finished_shard(store, ref.index, lambda ref=ref: prompt_positions(store, ref))
+        if done is None or len(done[1]) < ref.num_records:
             unfinished.append(ref.index)
     return unfinished

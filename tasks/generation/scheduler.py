@@ -18,12 +18,12 @@ import selectors
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
 
-from eagle3_datagen.artifacts import MANIFEST, ShardRef, artifact_path
+from eagle3_datagen.artifacts import MANIFEST, ShardRef
 from eagle3_datagen.config import ServerConfig, ValidationConfig
 from eagle3_datagen.profiles import ModeSpec
 from eagle3_datagen.protocol import OpenAIClient, RequestFailed, api_key, build_chat_request
@@ -37,16 +37,12 @@ from tasks.generation.records import (
     GenerationSettings,
     Prompt,
     ShardState,
-    check_settings,
+    drop_other_spools,
     finalize_shard,
-    finished_shard,
     marked_finished,
     new_records,
-    partial_log_path,
-    read_partial_log,
-    read_segments,
-    record_settings,
-    replay,
+    pin_settings,
+    resume_shard,
 )
 
 
@@ -140,10 +136,11 @@ class GenerationScheduler:
         self._writes: dict[int, asyncio.Future[ShardRef]] = {}
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="generation-writer")
         self._swept = False  # shards completed inside the window were finalized once it passed
-        self._kept_before = False  # the run already held records when this attempt started
+        self._pinned_here = False  # this attempt pinned the settings (a fresh run): unpinned if it keeps nothing
         self._run_budget: Callable[[str], AbstractAsyncContextManager[Any]] | None = None  # shared across runs
         # a run in object storage keeps its partial logs there too, in segments written by the writer thread
         self._spill = None if store.local_path("generations") else self._spill_segment
+        self._spills: list[Future[None]] = []  # segment writes: awaited, and their errors reported, at shutdown
         self._writing = True
 
     def run(self, prompt_shards: list[ShardRef]) -> list[ShardRef]:
@@ -154,26 +151,19 @@ class GenerationScheduler:
 
     def plan(self, prompt_shards: list[ShardRef]) -> None:
         """What is left to ask, shard by shard; the prompts themselves are queued later, a few shards ahead."""
-        check_settings(self.store, self.settings)
+        run_id, self._pinned_here = pin_settings(self.store, self.settings)
+        if self._spill is not None:
+            for spool in drop_other_spools(self.store, run_id):
+                self.log.warning("removed %s: the local spool of another run that had this run's name", spool)
         for ref in prompt_shards:
             if (marked := marked_finished(self.store, ref)) is not None:
                 self.finished[ref.index] = marked
                 continue
-            written_before = self.store.exists(artifact_path("generations", ref.index))  # for other prompts
-            previous = finished_shard(self.store, ref.index, self.store.read_shard_records(ref)) \
-                if written_before else None
-            if previous is not None and len(previous[1]) == ref.num_records:
-                self.finished[ref.index] = previous[0]
-                continue
-            state = ShardState(ref, ref.num_records, partial_log_path(self.store, ref.index), spill=self._spill)
-            segments, state.segments = read_segments(self.store, ref.index) if self._spill else ([], 0)
-            state.entries = replay(segments, dict(previous[1]) if previous else {})
-            state.entries.update(read_partial_log(state.log_path))
+            state = resume_shard(self.store, ref, run_id, self._spill, self.log)
             self.states[ref.index] = state
-            if len(state.entries) < ref.num_records:
+            if not state.complete:
                 self._unqueued.append(ref)
                 self.total += ref.num_records - len(state.entries)
-        self._kept_before = bool(self.finished) or any(state.entries for state in self.states.values())
         for index in [i for i, state in self.states.items() if state.complete]:
             self.finished[index] = finalize_shard(self.store, self.states.pop(index))
 
@@ -241,16 +231,10 @@ class GenerationScheduler:
                 pending.cancel()
             await asyncio.gather(*self._requests, *helpers, return_exceptions=True)
             self.pool.close()
-            for index, write in self._writes.items():
-                self.finished[index] = await write
-            for state in self.states.values():
-                state.close()  # what is pending goes to run storage: a re-run anywhere resumes from it
-            self._writer.shutdown()
-            self._writing = False
             for client in clients:
                 client.close()
-            self._record_findings()
             gc.unfreeze()
+            await self._shut_down()
         if self._crash is not None:
             raise self._crash
         cpu_per_request = (time.process_time() - cpu_at_start) / self.total
@@ -329,8 +313,7 @@ class GenerationScheduler:
             return
         keep = self.probation.observe(outcome)
         if outcome.completions and keep:
-            self.states[prompt.shard].append({"position": prompt.position,
-                                              "records": new_records(prompt, outcome.completions)})
+            self.states[prompt.shard].append(prompt, records=new_records(prompt, outcome.completions))
             self.counts.accepted += 1
             self.counts.tokens += int(outcome.completions[0].usage.get("completion_tokens") or 0)
             self._cleared += self._held.answered(outcome.endpoint, outcome.sent)
@@ -350,8 +333,8 @@ class GenerationScheduler:
     def _reject_cleared(self) -> None:
         """Write the refusals known to be their prompts' own."""
         for reason, prompt in self._cleared:
-            self.states[prompt.shard].append({"position": prompt.position, "rejected": {
-                "id": prompt.record_id, "stage": "generations", "reason": reason}})
+            self.states[prompt.shard].append(prompt, rejected={"id": prompt.record_id, "stage": "generations",
+                                                               "reason": reason})
             self.counts.rejected += 1
             if self.probation.passed and self.probation.error is None:
                 self._after_pass(prompt)
@@ -387,7 +370,6 @@ class GenerationScheduler:
         """Finalize shards as they complete; the first time, also those completed inside the window."""
         if not self._swept:
             self._swept = True
-            record_settings(self.store, self.settings)
             for index in [i for i, state in self.states.items() if state.complete]:
                 self._finalize(index)
         elif prompt.shard in self.states and self.states[prompt.shard].complete:
@@ -395,10 +377,11 @@ class GenerationScheduler:
 
     def _spill_segment(self, rel: str, lines: list[str]) -> None:
         """Write a partial-log segment from the writer thread (in order, before its shard is finalized); once the
-        requests are over (an aborted window's discards), here."""
+        writer is shut down, here."""
         text = "".join(line + "\n" for line in lines)
         if self._writing:
-            self._writer.submit(self.store.write_text, rel, text)
+            self._spills = [write for write in self._spills if not write.done() or write.exception()]
+            self._spills.append(self._writer.submit(self.store.write_text, rel, text))
         else:
             self.store.write_text(rel, text)
 
@@ -495,8 +478,6 @@ class GenerationScheduler:
     def _raise_if_short(self) -> None:
         """Turn an unfinished generation into one error that says what was kept and what to do."""
         if self.probation.error is not None:
-            if not self.probation.passed:
-                self._discard_window()
             raise self.probation.error
         kept = sum(ref.num_records for ref in self.finished.values()) + sum(
             len(state.entries) for state in self.states.values())
@@ -513,15 +494,47 @@ class GenerationScheduler:
             )
 
     def _discard_window(self) -> None:
-        """Void what the aborted window produced, so a run after the fix asks those prompts again."""
+        """Void the answers of a window that was never judged (aborted, given up, stopped), so they are asked
+        again and judged: an answer is kept only once the window passed."""
         for prompt in self._window:
             state = self.states.get(prompt.shard)
             if state is not None and prompt.position in state.entries:
-                state.append({"position": prompt.position, "discard": "early abort window"})
+                state.append(prompt, discard="early abort window")
+
+    async def _shut_down(self) -> None:
+        """Void an unjudged window, await every shard write, close every shard's log and flush its last segment,
+        whatever fails first; then unpin the settings of a fresh run that kept nothing. The first error is
+        raised, the others logged."""
+        errors: list[Exception] = []
+        if not self.probation.passed:
+            try:
+                self._discard_window()
+            except Exception as error:
+                errors.append(error)
+        for index, write in self._writes.items():
+            try:
+                self.finished[index] = await write
+            except Exception as error:
+                errors.append(error)
         for state in self.states.values():
-            state.close()
-        if not self._kept_before:
-            self.store.remove(SETTINGS_FILE)
+            try:
+                state.close()  # what is pending goes to run storage: a re-run anywhere resumes from it
+            except Exception as error:
+                errors.append(error)
+        self._writer.shutdown()
+        self._writing = False
+        errors += [error for write in self._spills if (error := write.exception()) is not None]
+        try:
+            self._record_findings()
+            kept = self._writes or self.finished or any(state.entries for state in self.states.values())
+            if self._pinned_here and not kept:
+                self.store.remove(SETTINGS_FILE)
+        except Exception as error:
+            errors.append(error)
+        for error in errors[1:]:
+            self.log.error("generation shutdown: also %s: %s", type(error).__name__, error)
+        if errors:
+            raise errors[0]
 
     def shard_counts(self) -> dict[int, dict[str, int]]:
         """Per shard: `answered` and `refused` prompts while open, `records` once written; `{}` while being written.

@@ -24,7 +24,7 @@ from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConf
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
-from tasks.generation import GenerationError, GenerationSettings, generate_shards, partial_log_path, read_partial_log
+from tasks.generation import GenerationError, GenerationSettings, generate_shards
 
 QWEN3 = BUILTIN_PROFILES["qwen3"]
 
@@ -88,9 +88,11 @@ def test_a_dead_server_fails_the_run_but_keeps_finished_records(tmp_path: Path) 
     refs = write_prompt_shards(store, 1, 4)
     dying = Script(faults=["ok", "ok"] + ["http-503"] * 100)
     with ScriptedServer(dying) as server, pytest.raises(GenerationError, match="run again to resume"):
-        run_generation(store, refs, [server.url], budget=1, max_retries=2)
+        # a window of two: the answers that came before the server died were judged, so they are kept
+        run_generation(store, refs, [server.url], budget=1, max_retries=2,
+                       validation=ValidationConfig(early_abort_after=2))
     partial = tmp_path / "run" / "generations" / "shard-00000.partial.jsonl"
-    assert len(partial.read_text().splitlines()) == 2
+    assert sum("records" in json.loads(line) for line in partial.read_text().splitlines()) == 2
     with ScriptedServer(Script()) as server:
         run_generation(store, refs, [server.url], budget=1)
         assert server.log.requests == 2, "only the two unfinished records are asked again"
@@ -272,15 +274,15 @@ def test_a_record_that_cannot_be_kept_stops_the_run_with_its_error(tmp_path: Pat
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The disk fills up mid-run: the run ends with that error (not as a gap read as unreachable servers), and
     what was kept before stays for the re-run."""
-    from tasks.generation.records import ShardState
+    from tasks.generation.records import Prompt, ShardState
 
     append, kept = ShardState.append, []
 
-    def fills_up(state: ShardState, entry: dict[str, object]) -> None:
+    def fills_up(state: ShardState, prompt: Prompt, **outcome: object) -> None:
         if len(kept) == 20:
             raise OSError(28, "No space left on device")
-        append(state, entry)
-        kept.append(entry)
+        append(state, prompt, **outcome)
+        kept.append(outcome)
 
     monkeypatch.setattr(ShardState, "append", fills_up)
     store = RunStore(str(tmp_path), "run")
@@ -381,7 +383,8 @@ def test_a_server_that_dies_mid_run_ends_it_within_give_up_after_s(tmp_path: Pat
         run_generation(store, refs, [server.url], budget=4, give_up_after_s=2, max_retries=100)
     killer.join()
     assert time.monotonic() - started < 30
-    kept = sum(len(read_partial_log(partial_log_path(store, ref.index))) for ref in refs)
+    kept = sum("records" in json.loads(line) for log in (tmp_path / "run" / "generations").glob("*.partial.jsonl")
+               for line in log.read_text().splitlines())
     kept += sum(len(store.read_jsonl(artifact_path("generations", ref.index))) for ref in refs
                 if store.exists(artifact_path("generations", ref.index)))
     assert kept >= 40, "what was answered before the server died is kept for the resume"

@@ -110,6 +110,18 @@ def test_reasoning_never_closed_is_counted_but_is_not_a_mismatch() -> None:
     assert report.status == "pass"
 
 
+def test_a_shard_whose_model_often_never_closed_its_reasoning_is_quarantined() -> None:
+    """Kept one by one, as what the model did; a shard full of them is a model or template that is broken."""
+    unclosed = [_record(i, ids=[7, 8, 3]) for i in range(7, 10)]  # reasoning and answer, no think-end id
+    report = validate_records(0, [_record(i) for i in range(7)] + unclosed, KIMI, ValidationConfig(), _decode, SPEC)
+    assert report.status == "quarantine"
+    assert report.reasons == ["unclosed_reasoning rate 30.0% > validation.max_unclosed_reasoning_rate 10.0%"]
+    assert report.as_dict()["rates"]["unclosed_reasoning"] == 0.3
+    allowed = validate_records(0, [_record(i) for i in range(7)] + unclosed, KIMI,
+                               ValidationConfig(max_unclosed_reasoning_rate=0.5), _decode, SPEC)
+    assert allowed.status == "pass"
+
+
 def test_a_tokenizer_that_ships_its_own_code_is_refused_naming_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from eagle3_datagen.think_tokens import ThinkTokenError, load_tokenizer
 
