@@ -21,14 +21,13 @@ from tasks.generation.progress import LiveProgress
 from tasks.generation.records import (
     GenerationError,
     GenerationSettings,
-    partial_log_path,
     unfinished_shards,
     unmarked_shards,
 )
 from tasks.generation.scheduler import GenerationScheduler, generate_shards
 
 __all__ = ["GenerationError", "GenerationSettings", "generate", "generate_shards", "generated_shards",
-           "partial_log_path", "unfinished_shards", "unmarked_shards"]
+           "unfinished_shards", "unmarked_shards"]
 
 FINISHED_SHARDS = "finished_shards"  # set on generation's error: the shards it wrote, which go on regardless
 
