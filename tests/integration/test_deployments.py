@@ -75,8 +75,17 @@ def worker(prefect_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
         process.wait(timeout=60)
 
 
+# Statuses Prefect's own client retries: the server answers 503 while its SQLite database is busy.
+BUSY_STATUSES = {429, 502, 503}
+
+
 def _api(env: dict[str, str], method: str, path: str, **kwargs: Any) -> Any:
-    response = httpx.request(method, env["PREFECT_API_URL"] + path, timeout=30, **kwargs)
+    """One API call, retried as Prefect's client retries it, so a busy server is not a failed test."""
+    for attempt in range(8):
+        response = httpx.request(method, env["PREFECT_API_URL"] + path, timeout=30, **kwargs)
+        if response.status_code not in BUSY_STATUSES:
+            break
+        time.sleep(min(2 ** attempt, 10))
     response.raise_for_status()
     return response.json() if response.content else None
 
