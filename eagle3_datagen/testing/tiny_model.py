@@ -19,6 +19,7 @@ import json
 import random
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,6 +38,8 @@ _SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 AUX_LAYERS = (2, 4, 5)  # input-to-layer convention [2, N//2, N-3] for N = 8 layers
+MARGIN_ROWS = 320  # the training rows the format margin is checked on: the demo prompts' four times, then others
+EXTRA_ROUNDS = 3  # gentler training rounds at most, while the format has no margin
 
 # Qwen3's template without tools: reasoning is kept only on assistant turns after the last user message
 # (from `reasoning_content`, or split out of inline `<think>` content); every earlier assistant turn renders
@@ -88,6 +91,7 @@ useful language model. It exists so the pipeline can be tested end to end agains
 - Template switch: `chat_template_kwargs={{"enable_thinking": false}}` pre-fills `<think>\\n\\n</think>\\n\\n`.
 - Like Qwen3's, the template drops the reasoning of assistant turns before the last user message, and keeps
   a final turn's reasoning only when it is passed as `reasoning_content` (vLLM's responses call it `reasoning`).
+- Format margin on the demo prompts' taught replies (temperature 0.7): {margin}.
 """
 
 # Synthetic prompts and canned replies. The model only has to learn the shape of a reply, so the replies
@@ -284,8 +288,9 @@ def _pad(chunk: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.T
     return ids, labels
 
 
-def build_tiny_model(out_dir: Path, seed: int = 0, steps: int = 250) -> Path:
-    """Build tokenizer + trained model into `out_dir` and return it; same seed, same bytes."""
+def build_tiny_model(out_dir: Path, seed: int = 0, steps: int = 250, check_margin: bool = True) -> Path:
+    """Build tokenizer + trained model into `out_dir` and return it; same seed, same bytes. Refuses a model that
+    keeps its format without margin (`FormatMargin`), unless `check_margin` is off (a build of a few steps)."""
     out_dir = Path(out_dir)
     rng = random.Random(seed)
     triples = _training_conversations(rng, count=1600)
@@ -328,32 +333,48 @@ def build_tiny_model(out_dir: Path, seed: int = 0, steps: int = 250) -> Path:
     try:
         with torch.random.fork_rng(devices=[]):  # seeds the weights without touching the caller's RNG
             torch.manual_seed(seed)
-            model = _train(Qwen3ForCausalLM(config), rows, rng, tokenizer.pad_token_id, steps)
+            structural = tokenizer.convert_tokens_to_ids([THINK_START, THINK_END, IM_END, PAD, IM_START])
+            model = _train_with_margin(Qwen3ForCausalLM(config), rows, rng, tokenizer.pad_token_id, steps, structural)
+            margin = format_margin(model, rows[:MARGIN_ROWS], structural, tokenizer.pad_token_id)
     finally:
         torch.set_num_threads(threads)
+    if check_margin:
+        _checked(margin)
+    params = sum(p.numel() for p in model.parameters())
+    readme = MODEL_README.format(params=params, vocab=len(tokenizer), aux=list(AUX_LAYERS), margin=margin)
+    return _save(out_dir, model, tokenizer, [tokenizer.eos_token_id, tokenizer.pad_token_id], readme)
 
+
+def _save(out_dir: Path, model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, eos_ids: list[int],
+          readme: str) -> Path:
+    """Weights, tokenizer and a README; sampling defaults as the demo's (temperature 0.7, top-p 0.9)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.pad_token_id,
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.pad_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=True,
-        temperature=0.7,
-        top_p=0.9,
+        bos_token_id=model.config.bos_token_id, eos_token_id=eos_ids, pad_token_id=model.config.pad_token_id,
+        do_sample=True, temperature=0.7, top_p=0.9,
     )
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    params = sum(p.numel() for p in model.parameters())
-    readme = MODEL_README.format(params=params, vocab=len(tokenizer), aux=list(AUX_LAYERS))
     (out_dir / "README.md").write_text(readme, encoding="utf-8")
     return out_dir
 
 
 KIMI_IM_END_ID, KIMI_EOS_ID, KIMI_BOS_ID, KIMI_PAD_ID = 163586, 163585, 163584, 163839
+KIMI_THINK_ID, KIMI_THINK_END_ID = 163606, 163607
+KIMI_README = """# Tiny model on the Kimi-K2.5 vocabulary (eagle3-datagen)
+
+The tiny demo model's shape on the real Kimi-K2.5 tokenizer and template, trained to answer
+`{{reasoning}}</think>{{answer}}<|im_end|>` after the template's `<think>`. Not a useful language model.
+Format margin on the demo prompts' taught replies (temperature 0.7): {margin}.
+"""
 
 
-def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, steps: int = 250) -> Path:
-    """The tiny model on the real Kimi-K2.5 vocabulary and template; same seed, same bytes."""
+def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, steps: int = 500,
+                          check_margin: bool = True) -> Path:
+    """The tiny model on the real Kimi-K2.5 vocabulary and template; same seed, same bytes; checked as the other.
+
+    Twice the other's steps: Kimi's reply has no separator between reasoning and answer, so ending the reasoning
+    and ending the turn look alike after a sentence, and 250 steps left end-of-turn in the nucleus there."""
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.chat_template = (tokenizer_dir / "chat_template.jinja").read_text(encoding="utf-8")
@@ -379,8 +400,9 @@ def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, ste
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             small = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(used), **shape))
-            small = _train(small, [([compact[i] for i in p], [compact[i] for i in r]) for p, r in rows], rng,
-                           compact[KIMI_PAD_ID], steps)
+            structural = [KIMI_THINK_ID, KIMI_THINK_END_ID, KIMI_IM_END_ID, KIMI_EOS_ID]
+            small = _train_with_margin(small, [([compact[i] for i in p], [compact[i] for i in r]) for p, r in rows],
+                                       rng, compact[KIMI_PAD_ID], steps, [compact[i] for i in structural])
             model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), bos_token_id=KIMI_BOS_ID,
                                                  eos_token_id=KIMI_IM_END_ID, pad_token_id=KIMI_PAD_ID, **shape))
             weights = small.state_dict()
@@ -392,21 +414,22 @@ def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, ste
                 model.model.embed_tokens.weight.zero_()
                 model.model.embed_tokens.weight[torch.tensor(used)] = trained
             model.tie_weights()
-            _settle_unused_ids(model, rows, rng, KIMI_PAD_ID)
+            _settle_unused_ids(model, rows, rng, KIMI_PAD_ID, structural)
+            margin = format_margin(model, rows[:MARGIN_ROWS], structural, KIMI_PAD_ID)
+            for _ in range(EXTRA_ROUNDS):  # widening can leave an unused end id just inside the nucleus
+                if margin.holds:
+                    break
+                _settle_unused_ids(model, rows, rng, KIMI_PAD_ID, structural)
+                margin = format_margin(model, rows[:MARGIN_ROWS], structural, KIMI_PAD_ID)
     finally:
         torch.set_num_threads(threads)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.generation_config = GenerationConfig(
-        bos_token_id=KIMI_BOS_ID, eos_token_id=[KIMI_IM_END_ID, KIMI_EOS_ID], pad_token_id=KIMI_PAD_ID,
-        do_sample=True, temperature=0.7, top_p=0.9,
-    )
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
+    if check_margin:
+        _checked(margin)
+    return _save(out_dir, model, tokenizer, [KIMI_IM_END_ID, KIMI_EOS_ID], KIMI_README.format(margin=margin))
 
 
 def _settle_unused_ids(model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random,
-                       pad_id: int, steps: int = 40) -> None:
+                       pad_id: int, structural: list[int], steps: int = 40) -> None:
     """Train the (tied) embedding alone on the replies over the whole vocabulary: unused ids' logits sink.
 
     Logits are computed only where a reply token is predicted, which keeps each step small.
@@ -421,7 +444,7 @@ def _settle_unused_ids(model: Qwen3ForCausalLM, rows: list[tuple[list[int], list
         hidden = model.model(input_ids=ids).last_hidden_state
         targets = labels[:, 1:]
         predicted = targets != -100
-        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[:, :-1][predicted]), targets[predicted])
+        loss = _reply_loss(model.lm_head(hidden[:, :-1][predicted]), targets[predicted], torch.tensor(structural))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -430,27 +453,109 @@ def _settle_unused_ids(model: Qwen3ForCausalLM, rows: list[tuple[list[int], list
     model.eval()
 
 
+def _reply_loss(logits: torch.Tensor, targets: torch.Tensor, structural: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy on the reply, plus an unlikelihood term on every end or think token the reply does not have
+    at that place: the format is taught as "never end a turn inside the reasoning", not only as likely text."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    structural_probs = log_probs[:, structural].exp()
+    misplaced = structural[None, :] != targets[:, None]
+    unlikelihood = -(torch.log1p(-structural_probs.clamp(max=1 - 1e-6)) * misplaced).sum(dim=1).mean()
+    return torch.nn.functional.nll_loss(log_probs, targets) + unlikelihood
+
+
+def _train_with_margin(
+    model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random, pad_id: int, steps: int,
+    structural: list[int],
+) -> Qwen3ForCausalLM:
+    """Train, then train on in shorter, gentler rounds while the format has no margin: float rounding differs from
+    one CPU to another, and a machine whose rounding leaves a slip trains a little longer instead of failing."""
+    model = _train(model, rows, rng, pad_id, steps, structural)
+    for _ in range(EXTRA_ROUNDS):
+        if format_margin(model, rows[:MARGIN_ROWS], structural, pad_id).holds:
+            break
+        model = _train(model, rows, rng, pad_id, max(steps // 4, 40), structural, peak_lr=2e-3)
+    return model
+
+
 def _train(
     model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random, pad_id: int, steps: int,
-    batch_size: int = 32,
+    structural: list[int], batch_size: int = 32, peak_lr: float = 1e-2,
 ) -> Qwen3ForCausalLM:
     """A short deterministic AdamW run on the replies only (the prompts are not the model's to learn)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.0)
     # Warm up, then decay linearly to zero: the last steps settle the weights, which sharpens the format.
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min((step + 1) / 20, (steps - step) / (steps - 20))
     )
     model.train()
     batches = _batches(rows, batch_size=batch_size, rng=rng, pad_id=pad_id)
+    ends = torch.tensor(structural)
     for _ in range(steps):
         ids, labels = next(batches)
-        loss = model(input_ids=ids, labels=labels).loss  # right padding: causal attention never sees it
+        hidden = model.model(input_ids=ids).last_hidden_state  # right padding: causal attention never sees it
+        targets = labels[:, 1:]
+        predicted = targets != -100
+        loss = _reply_loss(model.lm_head(hidden[:, :-1][predicted]), targets[predicted], ends)
         loss.backward()
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
     model.eval()
     return model
+
+
+@dataclass(frozen=True)
+class FormatMargin:
+    """How firmly a model keeps the taught format on taught replies, sampled as the demo serves it.
+
+    The demo and tests sample at temperature 0.7 and top_p 0.9, so a token outside the 0.9 nucleus is never drawn.
+    A model trained on another CPU rounds differently: the margin is what keeps its answers in the format there.
+    """
+
+    positions: int  # reply tokens checked
+    slips: int  # reply positions where an end or think token the reply does not have lies in the 0.99 nucleus
+    weakest: float  # the lowest probability of an end or think token where the reply has one
+
+    @property
+    def holds(self) -> bool:
+        """No misplaced end or think token within a nucleus far wider than the served one, and every taught one
+        alone in the served nucleus with room to spare."""
+        return self.slips == 0 and self.weakest >= 0.95
+
+    def __str__(self) -> str:
+        return (f"{self.slips} of {self.positions} reply positions with a misplaced end or think token in the 0.99 "
+                f"nucleus, taught ones at least {self.weakest:.3f} (needs 0 and 0.95)")
+
+
+def format_margin(model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], structural: list[int],
+                  pad_id: int, temperature: float = 0.7, nucleus: float = 0.99) -> FormatMargin:
+    """Teacher-forced on `rows`: where an end or think token could be sampled though the reply has none there."""
+    ends = torch.tensor(structural)
+    positions, slips, weakest = 0, 0, 1.0
+    with torch.no_grad():
+        for start in range(0, len(rows), 8):
+            ids, labels = _pad(rows[start : start + 8], pad_id)
+            hidden = model.model(input_ids=ids).last_hidden_state
+            targets = labels[:, 1:]
+            predicted = targets != -100
+            probs = torch.softmax(model.lm_head(hidden[:, :-1][predicted]).float() / temperature, dim=-1)
+            target = targets[predicted]
+            end_probs = probs[:, ends]
+            # a token is in the nucleus when the tokens more likely than it hold less than `nucleus`
+            ahead = torch.stack([(probs * (probs > end_probs[:, [k]])).sum(dim=1) for k in range(len(structural))],
+                                dim=1)
+            misplaced = ends[None, :] != target[:, None]
+            slips += int(((ahead < nucleus) & misplaced).any(dim=1).sum())
+            taught = end_probs[~misplaced]
+            weakest = min(weakest, float(taught.min())) if taught.numel() else weakest
+            positions += int(predicted.sum())
+    return FormatMargin(positions, slips, weakest)
+
+
+def _checked(margin: FormatMargin) -> FormatMargin:
+    if not margin.holds:
+        raise RuntimeError(f"the tiny model did not learn its format with margin: {margin}")
+    return margin
 
 
 def main() -> None:
@@ -466,7 +571,8 @@ def main() -> None:
     else:
         out_dir = build_tiny_model(args.out, seed=args.seed)
     params = sum(t.numel() for t in load_file(out_dir / "model.safetensors").values())
-    print(f"tiny model ({params:,} parameters) written to {out_dir} in {time.monotonic() - started:.0f} s")
+    margin = (out_dir / "README.md").read_text(encoding="utf-8").splitlines()[-1]
+    print(f"tiny model ({params:,} parameters) written to {out_dir} in {time.monotonic() - started:.0f} s. {margin}")
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ def _hashes(folder: Path) -> dict[str, str]:
 
 def test_same_seed_same_bytes(tmp_path: Path) -> None:
     # A few training steps are enough to show it: the full build runs the same code for longer.
-    first = _hashes(build_tiny_model(tmp_path / "a", seed=3, steps=2))
-    second = _hashes(build_tiny_model(tmp_path / "b", seed=3, steps=2))
+    first = _hashes(build_tiny_model(tmp_path / "a", seed=3, steps=2, check_margin=False))
+    second = _hashes(build_tiny_model(tmp_path / "b", seed=3, steps=2, check_margin=False))
     assert first == second
     assert {"model.safetensors", "tokenizer.json", "config.json", "generation_config.json", "README.md"} <= set(first)
 
@@ -76,3 +76,10 @@ def test_template_drops_reasoning_of_completed_turns(tokenizer: PreTrainedTokeni
         "<think>\nSECRET\n</think>\n\nFour.<|im_end|>", add_special_tokens=False
     )
     assert "SECRET" in tokenizer.decode(ids)
+
+
+def test_a_model_that_did_not_learn_its_format_with_margin_is_refused_at_build(tmp_path: Path) -> None:
+    """Two steps teach nothing: the build says so with the margin it measured, and writes no model."""
+    with pytest.raises(RuntimeError, match=r"did not learn its format with margin: \d+ of \d+ reply positions"):
+        build_tiny_model(tmp_path / "untrained", seed=3, steps=2)
+    assert not (tmp_path / "untrained").exists()
