@@ -17,6 +17,7 @@ import itertools
 import json
 import math
 import random
+import re
 import signal
 import threading
 import time
@@ -66,6 +67,12 @@ def expected_content(question: str) -> str:
     return f"\n\nAnswer to «{question[:40]}»: 42 ✅"
 
 
+def signed_settings(content: str) -> str | None:
+    """The sampling settings an answer of a `sign_settings` script was asked under, as it names them."""
+    found = re.search(r" \[(temperature [^,]+, max_tokens [^\]]+)\]$", content)
+    return found.group(1) if found else None
+
+
 @dataclass
 class Script:
     """What the server does; tests change it between runs."""
@@ -95,6 +102,7 @@ class Script:
     reasoning_chars: int = 0  # every reasoning padded to this length: the long traces of real reasoning models
     ignore_thinking_switch: bool = False  # answer with reasoning even when the request switches thinking off
     check_model: bool = False  # a request for a model other than `model` gets vLLM's 404, as after a rename
+    sign_settings: bool = False  # the answer names the request's temperature and max_tokens (`signed_settings`)
 
 
 def scripted_latency(script: Script, index: int) -> float:
@@ -174,6 +182,8 @@ def padded(reasoning: str, chars: int) -> str:
 
 def _message(question: str, body: dict[str, Any], script: Script) -> dict[str, Any]:
     reasoning, content = padded(expected_reasoning(question), script.reasoning_chars), expected_content(question)
+    if script.sign_settings:
+        content += f" [temperature {body.get('temperature')}, max_tokens {body.get('max_tokens')}]"
     switches = body.get("chat_template_kwargs") or {}
     thinking = script.ignore_thinking_switch or all(switches.get(name, True) for name in THINKING_SWITCHES)
     if script.shape == "none" or not thinking:

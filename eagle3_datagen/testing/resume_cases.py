@@ -1,0 +1,265 @@
+"""Random resume cases: attempts of the `eagle3-datagen run` command killed, faulted and edited in between, then
+one clean run, and the property it must leave behind.
+
+A case is drawn from a seed alone. Each attempt runs the real command in its own process against a scripted
+server (`sign_settings`: every answer names the temperature and max_tokens it was asked under) and may be
+SIGKILLed after some requests or seconds; before an attempt the dataset may gain rows at the top, lose rows, or be
+cut into other shard sizes, and the sampling settings may change. After the last, clean attempt, either every
+prompt of the final dataset is answered exactly once, under the final settings, in its own shard, with `verify`
+clean and nothing rejected, or the run was refused with one line and lost nothing already written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eagle3_datagen.testing.processes import as_from_a_terminal
+from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, signed_settings
+
+QUESTIONS = 60  # the pool the datasets draw their rows from
+FAULTS = ("none", "none", "401-burst", "500s", "death")
+RUN_NAME = "resume"
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One run of the command: its dataset, shard size and settings, what the server does, when it is killed."""
+
+    rows: tuple[int, ...]  # indexes into the question pool, in dataset order
+    shard_size: int
+    temperature: float
+    max_tokens: int
+    fault: str  # one of FAULTS
+    fault_after: int  # requests answered before the fault starts
+    kill_after_requests: int | None = None  # SIGKILL once the server has seen this many requests
+    kill_after_s: float | None = None  # or this long after the start (the imports, the prompt stage, ...)
+
+    @property
+    def settings(self) -> str:
+        return f"temperature {self.temperature}, max_tokens {self.max_tokens}"
+
+
+@dataclass(frozen=True)
+class Case:
+    seed: int
+    attempts: tuple[Attempt, ...]  # the last one is clean: no fault, no kill
+
+
+@dataclass
+class Outcome:
+    """What a case did and what it broke (nothing, if `violations` is empty)."""
+
+    seed: int
+    attempts: int
+    kill_points: list[str] = field(default_factory=list)  # where each SIGKILL landed
+    refused: str | None = None  # the final run's one-line refusal, if it was refused
+    violations: list[str] = field(default_factory=list)
+
+
+def question(index: int) -> str:
+    return f"Resume question {index}: what is {index} plus {index + 1}?"
+
+
+def draw_case(seed: int, max_attempts: int = 4) -> Case:
+    """A case from a seed alone: so a failing case is re-run by its seed."""
+    rng = random.Random(seed)
+    rows = tuple(rng.sample(range(QUESTIONS // 2), rng.randint(8, 20)))
+    fresh = iter(range(QUESTIONS // 2, QUESTIONS))
+    shard_size, temperature, max_tokens = rng.choice((4, 6, 10, 25)), 0.7, 64
+    attempts = []
+    for number in range(rng.randint(2, max_attempts)):
+        if number:
+            if rng.random() < 0.3:
+                rows = tuple(next(fresh) for _ in range(rng.randint(1, 3))) + rows  # rows added at the top
+            if rng.random() < 0.3 and len(rows) > 4:
+                dropped = set(rng.sample(rows, rng.randint(1, 2)))
+                rows = tuple(r for r in rows if r not in dropped)
+            if rng.random() < 0.3:
+                shard_size = rng.choice((4, 6, 10, 25))
+            if rng.random() < 0.08:
+                temperature, max_tokens = rng.choice(((0.7, 64), (0.6, 64), (0.7, 48)))
+        attempts.append(Attempt(rows, shard_size, temperature, max_tokens, rng.choice(FAULTS),
+                                fault_after=rng.randint(0, len(rows)),
+                                kill_after_requests=rng.randint(0, len(rows)) if rng.random() < 0.5 else None,
+                                kill_after_s=round(rng.uniform(0.5, 12.0), 2) if rng.random() < 0.4 else None))
+    attempts[-1] = Attempt(rows, shard_size, temperature, max_tokens, "none", 0)
+    return Case(seed, tuple(attempts))
+
+
+def _script(attempt: Attempt, model: str, tokenizer: Any) -> Script:
+    faults = {"401-burst": ["ok"] * attempt.fault_after + ["http-401"] * 20,
+              "500s": ["ok"] * attempt.fault_after + ["http-500"] * 6}.get(attempt.fault, [])
+    return Script(model=model, tokenizer=tokenizer, latency_s=0.05, faults=faults, sign_settings=True)
+
+
+def _config(attempt: Attempt, folder: Path, url: str, model: Path, model_name: str) -> Path:
+    dataset = folder / "dataset.jsonl"
+    dataset.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": question(r)}]}) + "\n"
+                               for r in attempt.rows))
+    tree = {
+        "run_name": RUN_NAME, "output_uri": str(folder / "runs"),
+        "data": {"source": str(dataset), "shard_size": attempt.shard_size},
+        "model": {"name": model_name, "profile": "qwen3", "tokenizer": str(model)},
+        "server": {"endpoints": [url], "max_in_flight": 4, "startup_timeout_s": 5, "give_up_after_s": 3,
+                   "max_retries": 2},
+        "generation": {"temperature": attempt.temperature, "max_tokens": attempt.max_tokens},
+        "hidden_states": {"backend": "none"},
+        "validation": {"early_abort_after": 4},
+    }
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _attempt(attempt: Attempt, config: Path, server: ScriptedServer, env: dict[str, str]) -> tuple[int | None, str,
+                                                                                                  str | None]:
+    """Run the command once: (exit status or None if killed, its stderr, where the kill landed)."""
+    started = time.monotonic()
+    child = subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", str(config)], env=env, cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             preexec_fn=as_from_a_terminal)
+    stderr: list[str] = []
+    reader = threading.Thread(target=lambda: stderr.extend(child.stderr or []), daemon=True)
+    reader.start()
+    if attempt.fault == "death":
+        threading.Thread(target=_kill_server_after, args=(server, attempt.fault_after, child), daemon=True).start()
+    kill_point = None
+    while child.poll() is None:
+        elapsed = time.monotonic() - started
+        by_requests = attempt.kill_after_requests is not None and server.log.requests >= attempt.kill_after_requests
+        by_time = attempt.kill_after_s is not None and elapsed >= attempt.kill_after_s
+        if by_requests or by_time:
+            os.killpg(child.pid, signal.SIGKILL)
+            kill_point = f"{server.log.requests} requests, {elapsed:.1f} s"
+            break
+        if elapsed > 300:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            reader.join(timeout=10)
+            return -1, "".join(stderr) + "\n(attempt did not end in 300 s)", None
+        time.sleep(0.02)
+    child.wait()
+    reader.join(timeout=30)
+    return (None if kill_point else child.returncode), "".join(stderr), kill_point
+
+
+def _kill_server_after(server: ScriptedServer, requests: int, child: subprocess.Popen[str]) -> None:
+    while server.log.requests < requests and child.poll() is None:
+        time.sleep(0.02)
+    server.__exit__(None, None, None)
+
+
+def _one_line_failure(stderr: str) -> str | None:
+    """Why a failed attempt's output is not one clean line of cause, or None if it is."""
+    lines = stderr.strip().splitlines()
+    if "Traceback" in stderr:
+        return "a traceback reached the console"
+    if not lines or not (lines[-1].startswith("error: ") or lines[-1].startswith("cancelled: ")):
+        return f"the output does not end with one line of cause: {lines[-1:]}"
+    return None
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()} \
+        if folder.is_dir() else {}
+
+
+def _final_violations(attempt: Attempt, run: Path, verified: int) -> list[str]:
+    """What the final, completed run broke of the property."""
+    violations = []
+    manifest = json.loads((run / "manifest.json").read_text())
+    if manifest["status"] != "completed":
+        violations.append(f"final status {manifest['status']}: {manifest.get('cause')}")
+    if verified != 0:
+        violations.append(f"verify exited {verified}")
+    shard_of = {}
+    for path in sorted((run / "prompts").glob("shard-*.jsonl")):
+        for line in path.read_text().splitlines():
+            shard_of[json.loads(line)["id"]] = path.name
+    wanted = {question(r) for r in attempt.rows}
+    asked = {json.loads(line)["messages"][-1]["content"] for f in (run / "prompts").glob("shard-*.jsonl")
+             for line in f.read_text().splitlines()}
+    if asked != wanted:
+        violations.append(f"the prompt shards hold {len(asked)} questions, the dataset {len(wanted)}")
+    answered: dict[str, int] = {}
+    for path in sorted((run / "generations").glob("shard-*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            text = record["messages"][-1]["content"]
+            answered[text] = answered.get(text, 0) + 1
+            if shard_of.get(record["id"]) != path.name:
+                violations.append(f"{record['id']} is in {path.name}, its prompt in {shard_of.get(record['id'])}")
+            if record["content"] is None or text[:40] not in record["content"]:
+                violations.append(f"{record['id']}: the answer is to another question")
+            elif signed_settings(record["content"]) != attempt.settings:
+                violations.append(f"{record['id']}: answered under {signed_settings(record['content'])}, "
+                                  f"not the final {attempt.settings}")
+    if missing := wanted - set(answered):
+        violations.append(f"{len(missing)} prompts never answered, e.g. {sorted(missing)[0]!r}")
+    if twice := [t for t, n in answered.items() if n > 1]:
+        violations.append(f"{len(twice)} prompts answered more than once, e.g. {twice[0]!r}")
+    if extra := set(answered) - wanted:
+        violations.append(f"{len(extra)} answers to prompts no longer in the dataset")
+    rejected = [line for f in (run / "rejected").glob("*.jsonl") for line in f.read_text().splitlines()]
+    if rejected:
+        violations.append(f"{len(rejected)} rejected entries, e.g. {rejected[0][:200]}")
+    return violations
+
+
+def run_case(case: Case, folder: Path, model: Path, model_name: str, tokenizer: Any, env: dict[str, str],
+             verify: Any) -> Outcome:
+    """Play a case in `folder`; `verify(run_folder) -> exit status` is the `verify` command."""
+    outcome = Outcome(case.seed, len(case.attempts))
+    run = folder / "runs" / RUN_NAME
+    for number, attempt in enumerate(case.attempts):
+        final = number == len(case.attempts) - 1
+        before = _files(run / "generations")
+        server = ScriptedServer(_script(attempt, model_name, tokenizer)).__enter__()
+        try:
+            status, stderr, kill_point = _attempt(attempt, _config(attempt, folder, server.url, model, model_name),
+                                                  server, env)
+        finally:
+            server.__exit__(None, None, None)
+        if kill_point:
+            outcome.kill_points.append(kill_point)
+            continue
+        if status != 0 and (why := _one_line_failure(stderr)):
+            outcome.violations.append(f"attempt {number + 1} ({attempt.fault}): {why}: {stderr[-1500:]}")
+        if not final:
+            continue
+        if status == 0:
+            outcome.violations += _final_violations(attempt, run, verify(run))
+        elif "was generated with other settings" in stderr:
+            outcome.refused = stderr.strip().splitlines()[-1]
+            if _files(run / "generations") != before:
+                outcome.violations.append("the refused run changed what was already written")
+            outcome.violations += _restored(attempt, folder, model, model_name, tokenizer, env, verify)
+        else:
+            outcome.violations.append(f"the clean final run failed: {stderr.strip().splitlines()[-1:]}")
+    return outcome
+
+
+def _restored(attempt: Attempt, folder: Path, model: Path, model_name: str, tokenizer: Any, env: dict[str, str],
+              verify: Any) -> list[str]:
+    """The refusal's fix followed: one more clean run under the settings recorded in the run, which must complete."""
+    run = folder / "runs" / RUN_NAME
+    pinned = json.loads((run / "generations" / "settings.json").read_text())["generation"]
+    restored = replace(attempt, temperature=pinned["temperature"], max_tokens=pinned["max_tokens"])
+    with ScriptedServer(_script(restored, model_name, tokenizer)) as server:
+        status, stderr, _ = _attempt(restored, _config(restored, folder, server.url, model, model_name), server, env)
+    if status != 0:
+        return [f"the run under its recorded settings failed: {stderr.strip().splitlines()[-1:]}"]
+    return _final_violations(restored, run, verify(run))

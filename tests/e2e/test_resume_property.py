@@ -1,0 +1,40 @@
+"""The resume property on a fixed handful of its random cases (`benchmarks/resume_property.py` plays hundreds):
+the `run` command SIGKILLed, faulted and resumed after dataset edits and settings changes, then one clean run
+that answers every prompt of the final dataset once, under the final settings, in its own shard, with `verify`
+clean, or that is refused in one line and completes once the line's fix is followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from pathlib import Path
+
+import pytest
+from prefect.settings import PREFECT_API_URL
+
+from cli.demo import DEMO_MODEL_NAME
+from cli.main import main
+from eagle3_datagen.testing.resume_cases import draw_case, run_case
+from eagle3_datagen.think_tokens import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("prefect_api")
+
+# Seeds whose cases, together, kill runs, add and drop rows, re-cut the shards, change the settings (a
+# refusal), and meet each server fault: a 401 burst, 500s, a server that dies.
+SEEDS = (7, 19, 26)
+
+
+def verify(run: Path) -> int:
+    with contextlib.redirect_stdout(io.StringIO()):
+        return main(["verify", str(run)])
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_resumed_run_answers_every_prompt_once_under_its_final_settings_or_refuses_in_one_line(
+        seed: int, tiny_model: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value() or ""}
+    case = draw_case(seed)
+    outcome = run_case(case, tmp_path, tiny_model, DEMO_MODEL_NAME, load_tokenizer(str(tiny_model)), env, verify)
+    assert outcome.violations == [], f"{case}\nkills at {outcome.kill_points}"
