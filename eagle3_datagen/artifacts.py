@@ -28,8 +28,19 @@ REJECTED_PATH = "rejected/prompts.jsonl"  # input rows that gave no prompt, with
 TIMELINE = "generations/timeline.jsonl"  # generation's progress over time, for the report's latency plot
 
 
+SHARD_STAGES = ("generations", "validation", "sequences", "hidden_states", "rejected")  # made per prompt shard
+_SHARD_FILE = re.compile(r"(?:[a-z_]+-)?shard-(\d{5})(?:[./]|$)")
+
+
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
+
+
+def shard_index_of(name: str) -> int | None:
+    """The prompt shard a file or folder directly in a stage folder belongs to (`shard-00003.done.json`,
+    `generations-shard-00003.jsonl` in `rejected/`), or None for the stage's own files (`settings.json`)."""
+    match = _SHARD_FILE.match(name)
+    return int(match.group(1)) if match else None
 
 
 def artifact_path(stage: str, index: int) -> str:

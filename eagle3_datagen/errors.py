@@ -6,9 +6,13 @@ Everything else is a bug and keeps its traceback. Stages derive their errors fro
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 from eagle3_datagen.redaction import redact
+
+# Where a stage's core writes its lines: Prefect's run logger inside a run, a module's logger outside one
+Log = logging.Logger | logging.LoggerAdapter[Any]
 
 
 class Eagle3Error(Exception):

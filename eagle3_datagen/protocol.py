@@ -235,11 +235,9 @@ class OpenAIClient:
     def close(self) -> None:
         self._http.close()
 
-    async def healthy(self) -> bool:
-        try:
-            return (await self._http.request("GET", "/health", 5.0)).status == 200
-        except OSError:  # TimeoutError among them
-            return False
+    async def health_status(self) -> int:
+        """The HTTP status /health answers; OSError when nothing answers (refused, unknown host, no answer in 5 s)."""
+        return (await self._http.request("GET", "/health", 5.0)).status
 
     async def served_models(self) -> dict[str, int | None]:
         """Served model names and their context length (`max_model_len`, when the server reports it)."""

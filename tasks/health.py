@@ -7,7 +7,11 @@ are kept), judged before the run may spend more (tasks/generation/probation.py).
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import socket
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 
 from prefect import get_run_logger, task
@@ -22,16 +26,57 @@ from eagle3_datagen.protocol import OpenAIClient, api_key
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import load_tokenizer, render_generation_prompt
 
+logger = logging.getLogger(__name__)
+STARTUP_REPORT_EVERY_S = 15.0
+REFUSED_FOR_S = 10.0  # refused this long by a port that never answered: nothing is starting there
 
-async def wait_until_healthy(client: OpenAIClient, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await client.healthy():
-        if time.monotonic() > deadline:
+
+async def wait_until_healthy(client: OpenAIClient, timeout_s: float, report: Callable[[str], None],
+                             every_s: float = STARTUP_REPORT_EVERY_S) -> None:
+    """Wait for /health while the server may be starting (503, no answer yet), saying what is awaited every
+    `every_s`; fail in seconds where nothing can be starting: a host that does not resolve, or a port that keeps
+    refusing and never answered (a dead server, a wrong port), rather than after `server.startup_timeout_s`."""
+    started = time.monotonic()
+    next_report, refused_since, answered = started, None, False
+    while True:
+        try:
+            status = await client.health_status()
+        except socket.gaierror as error:
             raise ServerCheckFailed(
-                f"vLLM at {client.base_url} did not answer /health within {timeout_s:.0f}s: "
-                "start the server or fix server.endpoints"
+                f"the host of {client.base_url} is not known ({error.strerror}): fix server.endpoints") from None
+        except OSError as error:
+            if not _refused(error):
+                seen = "/health does not answer yet"
+            elif answered:
+                seen = "the port refuses connections (restarting?)"
+            else:
+                refused_since = refused_since or time.monotonic()
+                if time.monotonic() - refused_since >= min(REFUSED_FOR_S, timeout_s):
+                    raise ServerCheckFailed(
+                        f"nothing listens at {client.base_url} (connection refused for "
+                        f"{time.monotonic() - refused_since:.0f} s): start vLLM there, or fix server.endpoints"
+                    ) from None
+                seen = "the port refuses connections"
+        else:
+            if status == 200:
+                return
+            answered, refused_since, seen = True, None, f"/health answers HTTP {status}"
+        elapsed = time.monotonic() - started
+        if elapsed > timeout_s:
+            raise ServerCheckFailed(
+                f"vLLM at {client.base_url} did not answer /health within {timeout_s:.0f}s ({seen}): start the "
+                "server or fix server.endpoints (server.startup_timeout_s is how long it may take to start)"
             )
+        if time.monotonic() >= next_report:
+            report(f"waiting for {client.base_url} to start: {seen}; {elapsed:.0f} s so far, "
+                   f"{timeout_s - elapsed:.0f} s left (server.startup_timeout_s)")
+            next_report += every_s
         await asyncio.sleep(1.0)
+
+
+def _refused(error: OSError) -> bool:
+    """Connection refused, also where the host has several addresses and asyncio joins their errors in one."""
+    return error.errno == errno.ECONNREFUSED or f"[Errno {errno.ECONNREFUSED}]" in str(error)
 
 
 def check_served_model(endpoint: str, served: list[str], model: str) -> None:
@@ -105,10 +150,11 @@ async def check_endpoint(
     generation: GenerationConfig,
     validation: ValidationConfig,
     lengths: PromptLengths | None = None,
+    report: Callable[[str], None] = logger.info,
 ) -> ProbeFinding:
     """Health, the served model, its context length, and its load report when the budget follows it."""
     async with OpenAIClient(endpoint, api_key(server), server.request_timeout_s) as client:
-        await wait_until_healthy(client, server.startup_timeout_s)
+        await wait_until_healthy(client, server.startup_timeout_s, report)
         served = await client.served_models()
         check_served_model(endpoint, list(served), model)
         if server.max_in_flight == "auto" and await client.load() is None:
@@ -127,9 +173,10 @@ async def check_servers_async(
     generation: GenerationConfig,
     validation: ValidationConfig,
     lengths: PromptLengths | None = None,
+    report: Callable[[str], None] = logger.info,
 ) -> list[ProbeFinding]:
     return list(await asyncio.gather(
-        *(check_endpoint(url, model, server, generation, validation, lengths) for url in server.endpoints)
+        *(check_endpoint(url, model, server, generation, validation, lengths, report) for url in server.endpoints)
     ))
 
 
@@ -150,7 +197,7 @@ def check_servers(
     of) the prompts plus max_tokens; the findings start the manifest's `probe` entries."""
     store = RunStore(output_uri, run_name)
     lengths = PromptLengths(store, prompt_shards, load_tokenizer(tokenizer), profile)
-    findings = asyncio.run(check_servers_async(model, server, generation, validation, lengths))
+    findings = asyncio.run(check_servers_async(model, server, generation, validation, lengths, get_run_logger().info))
     for finding in findings:
         if finding.context_warning:
             get_run_logger().warning(finding.context_warning)

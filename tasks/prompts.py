@@ -8,6 +8,8 @@ prompt is rejected with a reason in rejected/prompts.jsonl instead of stopping t
 from __future__ import annotations
 
 import json
+import logging
+import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -15,14 +17,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 import datasets
-from prefect import task
+from prefect import get_run_logger, task
+from prefect.exceptions import MissingContextError
 
-from eagle3_datagen.artifacts import PROMPTS_SUMMARY, REJECTED_PATH, ShardRef, sha256_hex
+from eagle3_datagen.artifacts import (
+    PROMPTS_SUMMARY,
+    REJECTED_PATH,
+    SHARD_STAGES,
+    ShardRef,
+    sha256_hex,
+    shard_index_of,
+    shard_name,
+)
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
-from eagle3_datagen.errors import UserError, retry_unless_user_error
+from eagle3_datagen.errors import Log, UserError, retry_unless_user_error
 from eagle3_datagen.storage import RunStore, marker_path
 
+logger = logging.getLogger(__name__)
 PromptFormat = Literal["auto", "sharegpt", "openai"]
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -257,6 +269,17 @@ def write_prompt_shards(
     return result
 
 
+def retire_shards_beyond(store: RunStore, count: int) -> list[str]:
+    """Remove every later stage's files of prompt shards the layout no longer has (the dataset shrank, or
+    `shard_size` grew): their prompts now sit in other shards, where they are asked again, and a folder read
+    whole by a trainer must never hold a prompt twice. Returns what it removed."""
+    retired = [rel for stage in SHARD_STAGES for rel in store.list(stage)
+               if (index := shard_index_of(posixpath.basename(rel))) is not None and index >= count]
+    for rel in retired:
+        store.remove(rel)
+    return retired
+
+
 def _check_columns(row: dict[str, Any], fmt: PromptFormat, source: str) -> None:
     """Fail fast on a dataset with no prompt column at all, which per-row rejection would hide."""
     if any(column in row for column, _, _ in _FORMS[fmt]):
@@ -268,10 +291,14 @@ def _check_columns(row: dict[str, Any], fmt: PromptFormat, source: str) -> None:
     )
 
 
-def build_prompt_shards(data: DataConfig, store: RunStore) -> PromptLoadResult:
+def build_prompt_shards(data: DataConfig, store: RunStore, log: Log = logger) -> PromptLoadResult:
     """The whole stage for one data config, without Prefect."""
     rows = load_rows(data.source, data.split, data.limit)
-    return write_prompt_shards(rows, store, data.shard_size, data.format, source=data.source, turns=data.turns)
+    result = write_prompt_shards(rows, store, data.shard_size, data.format, source=data.source, turns=data.turns)
+    if retired := retire_shards_beyond(store, len(result.shards)):
+        log.warning("removed %d files and folders of %s and later shards, made for an earlier shard layout: their "
+                    "prompts are in other shards now", len(retired), shard_name(len(result.shards)))
+    return result
 
 
 @task(name="load-prompts", task_run_name="{run_name}/load-prompts", retries=1,
@@ -281,4 +308,8 @@ def load_prompts(data: DataConfig, source_fingerprint: str, output_uri: str, run
 
     `source_fingerprint` is part of the cache key, so a local file edited in place is read again.
     """
-    return build_prompt_shards(data, RunStore(output_uri, run_name))
+    try:
+        log: Log = get_run_logger()
+    except MissingContextError:  # called as a plain function (`load_prompts.fn`)
+        log = logger
+    return build_prompt_shards(data, RunStore(output_uri, run_name), log)

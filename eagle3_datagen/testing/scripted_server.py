@@ -103,6 +103,7 @@ class Script:
     ignore_thinking_switch: bool = False  # answer with reasoning even when the request switches thinking off
     check_model: bool = False  # a request for a model other than `model` gets vLLM's 404, as after a rename
     sign_settings: bool = False  # the answer names the request's temperature and max_tokens (`signed_settings`)
+    starting_for_s: float = 0.0  # /health answers 503 this long after the server starts, as vLLM loading a model
 
 
 def scripted_latency(script: Script, index: int) -> float:
@@ -224,6 +225,7 @@ class ScriptedServer:
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="off")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._ready_at = 0.0
 
     def __enter__(self) -> ScriptedServer:
         self._thread.start()
@@ -232,6 +234,7 @@ class ScriptedServer:
             if time.monotonic() > deadline:
                 raise RuntimeError("scripted server did not start")
             time.sleep(0.01)
+        self._ready_at = time.monotonic() + self.script.starting_for_s
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -239,7 +242,7 @@ class ScriptedServer:
         self._thread.join(timeout=10)
 
     async def _health(self, request: Request) -> Response:
-        return Response(status_code=200)
+        return Response(status_code=503 if time.monotonic() < self._ready_at else 200)
 
     async def _models(self, request: Request) -> Response:
         card = {"id": self.script.model, "object": "model"}

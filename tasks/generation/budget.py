@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 
+from eagle3_datagen.errors import Log
 from eagle3_datagen.protocol import ServerLoad
-from tasks.generation.pool import Endpoint, EndpointPool, Log
+from tasks.generation.pool import Endpoint, EndpointPool
 
 AUTO_START = 32  # the first budget of an endpoint under `auto`
 AUTO_CAP = 1024  # never more in flight to one endpoint

@@ -12,14 +12,14 @@ retries before new prompts: a prompt already started is finished first, so its s
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from eagle3_datagen.config import ServerConfig
+from eagle3_datagen.errors import Log
 from eagle3_datagen.protocol import UNKNOWN_MODEL, OpenAIClient, RequestFailed
 
 ENDPOINT_FAILURES_BEFORE_BACKOFF = 3
@@ -27,8 +27,6 @@ ENDPOINT_MAX_COOLDOWN_S = 30.0
 # requests sent in a row to one endpoint and refused with the same message: the endpoint's refusal, not theirs.
 # Enough that prompts refused alike for their own reason (a malformed conversation) almost never line up so
 REPEATED_REFUSALS = 16
-
-Log = logging.Logger | logging.LoggerAdapter[Any]
 
 
 @dataclass

@@ -28,12 +28,11 @@ import orjson
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sample_id, sha256_hex
 from eagle3_datagen.config import GenerationConfig
-from eagle3_datagen.errors import UserError
+from eagle3_datagen.errors import Log, UserError
 from eagle3_datagen.modes import assign_mode
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import Completion
 from eagle3_datagen.storage import RunStore
-from tasks.generation.pool import Log
 
 SETTINGS_FILE = "generations/settings.json"
 SEGMENT_RECORDS = 1000  # a partial-log segment in object storage holds at most this many entries...

@@ -25,11 +25,12 @@ from typing import Any
 
 from eagle3_datagen.artifacts import MANIFEST, ShardRef
 from eagle3_datagen.config import ServerConfig, ValidationConfig
+from eagle3_datagen.errors import Log
 from eagle3_datagen.profiles import ModeSpec
 from eagle3_datagen.protocol import OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
 from tasks.generation.budget import AUTO_CAP, AUTO_START, follow_load
-from tasks.generation.pool import Endpoint, EndpointPool, HeldRefusals, Log, refused_all, repeated_refusal
+from tasks.generation.pool import Endpoint, EndpointPool, HeldRefusals, refused_all, repeated_refusal
 from tasks.generation.probation import MIN_WINDOW, Outcome, Probation
 from tasks.generation.records import (
     SETTINGS_FILE,

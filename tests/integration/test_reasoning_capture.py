@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_content, expected_reasoning
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
 from tasks.generation import GenerationSettings, generate_shards
-from tasks.health import ServerCheckFailed, check_servers_async
+from tasks.health import ServerCheckFailed, check_servers_async, wait_until_healthy
 from tasks.sequences import build_sequences
 
 QWEN3 = BUILTIN_PROFILES["qwen3"]
@@ -123,9 +124,39 @@ def test_a_served_model_of_another_name_is_refused_before_any_request() -> None:
     assert "--served-model-name scripted-model" in str(failure.value)
 
 
-def test_unreachable_server_names_the_endpoint_and_the_fix() -> None:
-    with pytest.raises(ServerCheckFailed, match=r"http://127.0.0.1:9 did not answer /health .* server.endpoints"):
-        asyncio.run(check_servers_async("m", ServerConfig(endpoints=["http://127.0.0.1:9"], startup_timeout_s=1),
+def test_a_port_nothing_listens_on_fails_in_seconds_not_after_the_startup_timeout() -> None:
+    started = time.monotonic()
+    with pytest.raises(ServerCheckFailed, match=r"^nothing listens at http://127.0.0.1:9 \(connection refused for "
+                                                r"\d+ s\): start vLLM there, or fix server.endpoints$"):
+        asyncio.run(check_servers_async("m", ServerConfig(endpoints=["http://127.0.0.1:9"]),  # waits up to 600 s
+                                        GenerationConfig(), ValidationConfig()))
+    assert time.monotonic() - started < 30
+
+
+def test_an_unknown_host_fails_at_once_naming_the_endpoint() -> None:
+    with pytest.raises(ServerCheckFailed, match=r"^the host of http://no-such-host.invalid:8000 is not known .*: "
+                                                r"fix server.endpoints$"):
+        asyncio.run(check_servers_async("m", ServerConfig(endpoints=["http://no-such-host.invalid:8000"]),
+                                        GenerationConfig(), ValidationConfig()))
+
+
+def test_a_starting_server_is_waited_for_saying_what_and_how_long_is_left() -> None:
+    said: list[str] = []
+    with ScriptedServer(Script(starting_for_s=3.5)) as server:
+        async def check() -> None:
+            async with OpenAIClient(server.url, None, 5) as client:
+                await wait_until_healthy(client, timeout_s=60, report=said.append, every_s=1.5)
+        asyncio.run(check())
+    assert 2 <= len(said) <= 4, said
+    assert said[0] == f"waiting for {server.url} to start: /health answers HTTP 503; 0 s so far, 60 s left " \
+                      "(server.startup_timeout_s)"
+
+
+def test_a_server_that_never_becomes_healthy_fails_at_the_startup_timeout_saying_what_it_answered() -> None:
+    with ScriptedServer(Script(starting_for_s=60)) as server, pytest.raises(
+            ServerCheckFailed, match=r"did not answer /health within 2s \(/health answers HTTP 503\): start the "
+                                     r"server or fix server.endpoints"):
+        asyncio.run(check_servers_async("scripted-model", ServerConfig(endpoints=[server.url], startup_timeout_s=2),
                                         GenerationConfig(), ValidationConfig()))
 
 

@@ -347,3 +347,37 @@ def test_an_empty_dataset_is_named_as_such(tmp_path: Path, name: str) -> None:
     with pytest.raises(DataSourceError, match=r"(is empty|no rows were read)") as info:
         run(tmp_path, tmp_path / name)
     assert "\n" not in str(info.value)
+
+
+def test_a_coarser_layout_removes_every_later_stage_file_of_the_shards_it_no_longer_has(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    source = write_rows(tmp_path / "data.jsonl", [question(n) for n in range(6)])
+    result, store = run(tmp_path, source, shard_size=2)
+    assert len(result.shards) == 3
+    kept = ["generations/settings.json", "generations/shard-00000.jsonl", "sequences/shard-00000.parquet",
+            "rejected/prompts.jsonl"]
+    retired = ["generations/shard-00001.jsonl", "generations/shard-00001.done.json",
+               "generations/shard-00002.partial.jsonl", "generations/shard-00002.partial/segment-00000.jsonl",
+               "validation/shard-00001.json", "sequences/shard-00002.parquet",
+               "hidden_states/shard-00001/index.json", "rejected/generations-shard-00002.jsonl"]
+    for rel in kept[:-1] + retired:
+        store.write_bytes(rel, b"{}\n")
+
+    with caplog.at_level("WARNING"):
+        result, store = run(tmp_path, source, shard_size=6)  # the same prompts, all in shard 0 now
+
+    assert len(result.shards) == 1
+    assert [rel for rel in kept if store.exists(rel)] == kept
+    assert [rel for rel in retired if store.exists(rel)] == []
+    assert not store.exists("hidden_states/shard-00001") and not store.exists("generations/shard-00002.partial")
+    assert "removed 8 files and folders of shard-00001 and later shards, made for an earlier shard layout" \
+        in caplog.text
+
+
+def test_verify_names_files_of_shards_the_prompts_no_longer_have(tmp_path: Path) -> None:
+    from tasks.verify import verify_run
+
+    _, store = run(tmp_path, write_rows(tmp_path / "data.jsonl", [question(n) for n in range(3)]))
+    store.write_bytes("sequences/shard-00001.parquet", b"left by a layout of two shards")
+    assert "1 files of shards the prompts no longer have, e.g. sequences/shard-00001.parquet: a folder read whole " \
+           "would hold their prompts twice (run the pipeline again)" in verify_run(store).problems
