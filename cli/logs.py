@@ -6,31 +6,15 @@ keep their tracebacks in the file and in the Prefect logs.
 
 from __future__ import annotations
 
-import copy
 import logging
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
+from eagle3_datagen.errors import OneLineFormatter
 from eagle3_datagen.storage import RunStore
 
 FILE_FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
-
-
-class OneLineFormatter(logging.Formatter):
-    """Formats a copy of each record without its traceback; the file handler still sees the original."""
-
-    def __init__(self, inner: logging.Formatter | None) -> None:
-        super().__init__()
-        self._inner = inner or logging.Formatter()
-
-    def format(self, record: logging.LogRecord) -> str:
-        bare = copy.copy(record)
-        if bare.exc_info and bare.exc_info[1] is not None:
-            error = bare.exc_info[1]
-            bare.msg, bare.args = f"{record.getMessage().splitlines()[0]} ({type(error).__name__})", None
-        bare.exc_info = bare.exc_text = bare.stack_info = None
-        return self._inner.format(bare)
 
 
 class RunLog:

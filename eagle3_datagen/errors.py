@@ -65,3 +65,33 @@ def retry_unless_user_error(task: Any, task_run: Any, state: Any) -> bool:
     except Exception:
         return True
     return False
+
+
+class OneLineFormatter(logging.Formatter):
+    """Formats a copy of each record without its traceback (of every error, or of user errors only, whose message
+    says it all); the record itself, and so the run's log file, keeps it."""
+
+    def __init__(self, inner: logging.Formatter | None, user_errors_only: bool = False) -> None:
+        super().__init__()
+        self._inner = inner or logging.Formatter()
+        self._user_errors_only = user_errors_only
+
+    def format(self, record: logging.LogRecord) -> str:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None or (self._user_errors_only and not isinstance(error, UserError)):
+            return self._inner.format(record)
+        bare = copy.copy(record)
+        bare.msg, bare.args = f"{record.getMessage().splitlines()[0]} ({type(error).__name__})", None
+        bare.exc_info = bare.exc_text = bare.stack_info = None
+        return self._inner.format(bare)
+
+
+def user_errors_one_line_in_the_ui() -> None:
+    """Prefect's log stream to its API (the UI's Logs tab) gets a user error as one line, as the console does: the
+    state message already says the fix, and ~80 lines of Prefect's own frames bury it. Bugs keep their traceback."""
+    from prefect.logging.handlers import APILogHandler
+
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, APILogHandler) and not isinstance(handler.formatter, OneLineFormatter):
+                handler.setFormatter(OneLineFormatter(handler.formatter, user_errors_only=True))

@@ -9,6 +9,7 @@ from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import allow_failure
 
 from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
+from eagle3_datagen.errors import user_errors_one_line_in_the_ui
 from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement, task_runner_for
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.hidden_state_format import check_compression
@@ -43,6 +44,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
         regenerate: Look at storage again instead of trusting generation's cache (after shards were reopened;
             done anyway while a shard's generations have no completion marker).
     """
+    user_errors_one_line_in_the_ui()
     config = settled_output(config)
     check_task_runner(config.execution)
     check_compression(config.hidden_states.compression)  # not hours later, after generation

@@ -197,10 +197,11 @@ def check_servers(
     of) the prompts plus max_tokens; the findings start the manifest's `probe` entries."""
     store = RunStore(output_uri, run_name)
     lengths = PromptLengths(store, prompt_shards, load_tokenizer(tokenizer), profile)
-    findings = asyncio.run(check_servers_async(model, server, generation, validation, lengths, get_run_logger().info))
+    log = get_run_logger()
+    findings = asyncio.run(check_servers_async(model, server, generation, validation, lengths, log.warning))
     for finding in findings:
         if finding.context_warning:
-            get_run_logger().warning(finding.context_warning)
+            log.warning(finding.context_warning)
     manifest = store.read_json(MANIFEST)
     manifest["probe"] = [asdict(finding) for finding in findings]
     store.write_json(MANIFEST, manifest)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,40 @@ def test_outputs_stay_a_relative_output_is_refused_at_submit_and_by_the_run(
         assert "config key output_uri: 'runs' is relative" in message
         assert "set output_uri to an absolute path or s3://bucket/prefix" in message
         assert server.log.requests == 0
+
+
+def _log_lines(env: dict[str, str], flow_run_id: str) -> list[str]:
+    """The flow run's log lines as the UI's Logs tab reads them."""
+    logs = _api(env, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200})
+    return [line for log in logs for line in log["message"].splitlines()]
+
+
+def test_a_dead_server_fails_the_run_in_seconds_with_one_line_in_the_ui_and_no_traceback(
+        prefect_env: dict[str, str], worker: Path, tiny_model: Path, tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there; the default startup_timeout_s is minutes
+    run = _start(prefect_env, "pipeline", {"config": _service_config(tiny_model, dead, tmp_path, "dead-server")})
+    assert _final_state(prefect_env, run["id"]) == "FAILED", worker.read_text()[-3000:]
+    ended = _api(prefect_env, "GET", f"/flow_runs/{run['id']}")
+    assert f"nothing listens at {dead} (connection refused for" in ended["state"]["message"]
+    took = datetime.fromisoformat(ended["end_time"]) - datetime.fromisoformat(ended["start_time"])
+    assert took.total_seconds() < 120, "refused is not starting: no wait for server.startup_timeout_s"
+    lines = _log_lines(prefect_env, run["id"])
+    assert any(f"waiting for {dead} to start: the port refuses connections" in line for line in lines), lines
+    assert any(f"nothing listens at {dead}" in line for line in lines), lines
+    assert not [line for line in lines if "Traceback" in line], lines
+
+
+def test_a_known_error_reaches_the_ui_logs_as_one_line_without_a_traceback(
+        prefect_env: dict[str, str], worker: Path, tiny_model: Path, tmp_path: Path) -> None:
+    config = _service_config(tiny_model, "http://127.0.0.1:9", tmp_path, "bad-path",
+                             data={"source": str(tmp_path / "absent.jsonl")})
+    run = _start(prefect_env, "pipeline", {"config": config})
+    assert _final_state(prefect_env, run["id"]) == "FAILED", worker.read_text()[-3000:]
+    message = _api(prefect_env, "GET", f"/flow_runs/{run['id']}")["state"]["message"]
+    assert "absent.jsonl" in message
+    lines = _log_lines(prefect_env, run["id"])
+    assert any("absent.jsonl" in line for line in lines), lines
+    assert not [line for line in lines if "Traceback" in line or line.startswith("  File ")], lines
 
 
 def test_the_form_refuses_bad_input_at_submit_naming_the_field(prefect_env: dict[str, str]) -> None:

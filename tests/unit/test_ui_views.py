@@ -3,12 +3,15 @@ and the latency the report plots."""
 
 from __future__ import annotations
 
+import logging
+import sys
 from pathlib import Path
 
 import pytest
 
 from eagle3_datagen.artifacts import ShardRef, ui_key
 from eagle3_datagen.config import ConfigError, absolute_uri
+from eagle3_datagen.errors import OneLineFormatter, UserError
 from tasks.generation.progress import shard_rows
 from tasks.report import latency_over_time
 
@@ -51,3 +54,22 @@ def test_latency_follows_littles_law_per_attempt() -> None:
     curve = latency_over_time(first + second)
     assert [latency for _, latency in curve] == [2.0] * 5 + [8.0] * 4
     assert latency_over_time(first[:1]) == [], "one sample has no interval"
+
+
+def _failed(error: Exception) -> logging.LogRecord:
+    try:
+        raise error
+    except Exception:
+        return logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "Task run failed: %r", (error,),
+                                 sys.exc_info())
+
+
+def test_the_ui_log_stream_gets_a_user_error_as_one_line_and_a_bug_with_its_traceback() -> None:
+    ui = OneLineFormatter(None, user_errors_only=True)
+    known = _failed(UserError("data.source absent.jsonl not found: fix data.source"))
+    assert ui.format(known) == ("Task run failed: UserError('data.source absent.jsonl not found: fix data.source') "
+                                "(UserError)")
+    assert known.exc_info is not None, "the record keeps its traceback for the run's log file"
+    bug = ui.format(_failed(KeyError("shard")))
+    assert bug.startswith("Task run failed: KeyError('shard')\nTraceback (most recent call last):")
+    assert "Traceback" not in OneLineFormatter(None).format(_failed(KeyError("shard"))), "the console: none"
