@@ -151,7 +151,7 @@ def test_a_qwen3_thinking_and_instant_mix_is_exact_in_each_mode(tiny_model: Path
     config = served_config(tiny_model, vllm_server, tmp_path, sequences=EVERY_SAMPLE_CROSS_CHECKED,
                            generation={"modes": mix}, hidden_states={"backend": "none"},
                            validation={"max_unexpected_reasoning_rate": 0.5, "max_token_text_mismatch_rate": 0.5,
-                                       "max_unclosed_reasoning_rate": 0.5})
+                                       "max_unclosed_reasoning_rate": 0.5, "max_leaked_tags_rate": 0.5})
     run_pipeline(config)
     run = tmp_path / "demo"
     manifest = json.loads((run / "manifest.json").read_text())
