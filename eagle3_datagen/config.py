@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from eagle3_datagen.errors import ConfigurationError
+from eagle3_datagen.forms import form_title
 from eagle3_datagen.modes import ModeWeight
 from eagle3_datagen.profiles import BUILTIN_PROFILES, ModelProfile, resolve_profile
 
@@ -38,7 +39,7 @@ def _absolute_in_the_form(schema: dict[str, Any]) -> None:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", field_title_generator=form_title)
 
 
 class DataConfig(_Section):
@@ -104,6 +105,9 @@ class ServerConfig(_Section):
         default=64,
         description="Requests in flight per endpoint, or `auto`: follow each vLLM server's load (/metrics), "
         "growing while nothing waits in its queue and its KV cache has room, shrinking when requests queue.",
+        # the form offers a number or the word `auto` from a list (a `const` branch reads "cannot be changed")
+        json_schema_extra={"anyOf": [{"type": "integer", "exclusiveMinimum": 0, "title": "a number"},
+                                     {"type": "string", "enum": ["auto"], "title": "auto"}]},
     )
     share_budget_across_runs: bool = Field(
         default=False,
@@ -427,7 +431,9 @@ class PipelineConfig(_Section):
     )
     profiles: dict[str, ModelProfile] = Field(
         default_factory=dict, title="Custom profiles",
-        description="Model profiles of your own, by name (the built-in ones need none).",
+        description="Model profiles of your own, by name (the built-in ones need none), e.g. "
+        '`{"my-r1-distill": {"reasoning_parser": "deepseek_r1", "end_of_turn": "<|im_end|>", '
+        '"template_writes_start_tag": true}}`; model.profile then names it.',
     )
 
     @field_validator("run_name")

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from eagle3_datagen.forms import form_title
+
 DEFAULT_MODE = "thinking"
 INSTANT_MODE = "instant"
 
@@ -20,7 +22,7 @@ INSTANT_MODE = "instant"
 class ModeSpec(BaseModel):
     """One mode of a model: the switches that turn it on, and whether its answers carry reasoning."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, field_title_generator=form_title)
 
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Template switches of this mode, sent top-level as `chat_template_kwargs`."
@@ -50,7 +52,7 @@ class ModeSpec(BaseModel):
 class ModeWeight(BaseModel):
     """One entry of `generation.modes`: a mode of the profile and its share of the prompts."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, field_title_generator=form_title)
 
     mode: str = Field(description="A mode of the model's profile, e.g. `thinking` or `instant`.")
     weight: float = Field(description="Its share of the prompts, relative to the other modes' weights (>= 0).")

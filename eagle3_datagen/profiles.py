@@ -10,13 +10,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
+from eagle3_datagen.forms import form_title
 from eagle3_datagen.modes import DEFAULT_MODE, INSTANT_MODE, ModeSpec
 
 
 class ModelProfile(BaseModel):
     """What the pipeline must know about a reasoning model to ask for, read and rebuild its thinking."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, field_title_generator=form_title)
 
     reasoning_parser: str = Field(description="vLLM `--reasoning-parser` the server must be started with.")
     chat_template_kwargs: dict[str, Any] = Field(

@@ -53,10 +53,12 @@ class RunStore:
         try:
             self.write_bytes(probe, b"")
             self.fs.rm(self.path(probe))
-        except (OSError, ValueError) as error:
+        except Exception as error:
+            fix = _fix_for_unwritable(error, self._local)
+            if fix is None:
+                raise
             raise OutputNotWritable(
-                f"output_uri: cannot write the run folder {self.uri} ({type(error).__name__}: {error}): set "
-                "output_uri to a folder or bucket this process can write"
+                f"output_uri: cannot write the run folder {self.uri} ({type(error).__name__}: {error}): {fix}"
             ) from None
 
     @classmethod
@@ -77,7 +79,7 @@ class RunStore:
         for attempt in range(len(_BACKOFF_S) + 1):
             try:
                 return operation()
-            except FileNotFoundError:
+            except (FileNotFoundError, PermissionError):  # asking again gets the same answer
                 raise
             except (OSError, TimeoutError):
                 if self._local or attempt == len(_BACKOFF_S):
@@ -217,6 +219,20 @@ class RunStore:
     def local_path(self, rel: str) -> str | None:
         """The plain filesystem path when the run lives on local disk (for appending partial files)."""
         return self.path(rel) if self._local else None
+
+
+def _fix_for_unwritable(error: Exception, local: bool) -> str | None:
+    """What to change when the run folder cannot be written; None for an error that is not about the folder."""
+    if not local and "Credential" in type(error).__name__:  # botocore's NoCredentialsError and its kin
+        return ("no credentials for it in this process's environment: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(and AWS_ENDPOINT_URL_S3 for a store other than AWS), or AWS_PROFILE naming a profile in "
+                "~/.aws/credentials, where the run (its worker) runs")
+    if not local and isinstance(error, PermissionError):
+        return ("the store refuses these credentials: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+                "AWS_PROFILE) where the run runs, and that they may write there")
+    if isinstance(error, OSError | ValueError):
+        return "set output_uri to a folder or bucket this process can write"
+    return None
 
 
 def marker_path(path: str) -> str:

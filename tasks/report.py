@@ -22,7 +22,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 from prefect import get_run_logger, task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 
@@ -97,8 +97,11 @@ def run_named(kind: str = "") -> Callable[[], str]:
     return name
 
 
-def _link(uri: str) -> str:
-    return Path(uri).as_uri() if uri.startswith("/") else uri
+def where_outputs_are(uri: str) -> str:
+    """The run folder as text to copy, with the commands that list and check it: a browser opens no `file://`
+    link from an http page, nor an `s3://` one at all."""
+    listing = f"aws s3 ls {uri}/" if uri.startswith("s3://") else f"ls {uri}"
+    return f"`{uri}` (list it: `{listing}`; check it: `eagle3-datagen verify {uri}`)"
 
 
 @task(name="start-run", task_run_name="{config.run_name}/start-run", cache_policy=NO_CACHE)
@@ -106,8 +109,8 @@ def start_run(config: PipelineConfig) -> RunContext:
     """Prove the think tokens before any request, and record config and fingerprints in the manifest."""
     store = RunStore(config.output_uri, config.run_name)
     store.check_writable()
-    create_link_artifact(key=ui_key(config.run_name, "output"), link=_link(store.uri), link_text=store.uri,
-                         description=f"where {config.run_name} writes its outputs")
+    create_markdown_artifact(key=ui_key(config.run_name, "output"), markdown=f"Output: {where_outputs_are(store.uri)}",
+                             description=f"where {config.run_name} writes its outputs")
     spec = discover_think_tokens(load_tokenizer(config.model.tokenizer), config.profile)
     context = RunContext(
         tokenizer_fingerprint=fingerprint(config.model.tokenizer),
@@ -429,7 +432,7 @@ def render_report(run_name: str, run_uri: str, rows: list[dict[str, Any]], total
                   plots: dict[str, bytes], modes: list[dict[str, Any]]) -> str:
     """The report: output location, one row per shard, one per mode, totals, and the plots inline (PNG data URIs,
     which the Prefect UI renders in a markdown artifact)."""
-    lines = [f"# Run {run_name}", "", f"Output: [{run_uri}]({_link(run_uri)})", "", *_table(rows)]
+    lines = [f"# Run {run_name}", "", f"Output: {where_outputs_are(run_uri)}", "", *_table(rows)]
     if modes:
         lines += ["", *_table(modes)]
     lines += ["", "| total | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in totals.items()]

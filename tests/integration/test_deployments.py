@@ -194,9 +194,10 @@ def test_a_failed_shard_goes_on_alone_is_named_and_retried_alone(prefect_env: di
     rows = [line for line in report.splitlines() if line.startswith("| shard-")]
     assert [row.split(" | ")[0] for row in rows] == ["| shard-00000", "| shard-00001"]
     assert all("hidden_states: done" in row for row in rows), "each row says the stage its shard reached"
-    assert f"Output: [{run_dir}]({run_dir.as_uri()})" in report
+    assert f"Output: `{run_dir}` (list it: `ls {run_dir}`; check it: `eagle3-datagen verify {run_dir}`)" in report
     assert report.count("](data:image/png;base64,") == 3, "lengths, shard outcomes and latency plots inline"
-    assert f"]({run_dir.as_uri()})" in _artifact(prefect_env, "service-output")["data"]
+    output = _artifact(prefect_env, "service-output")["data"]
+    assert f"`{run_dir}`" in output and "file://" not in output, "a path to copy: no browser opens file:// from http"
 
 
 def test_the_rerun_failed_deployment_finishes_only_the_failed_shards(prefect_env: dict[str, str], worker: Path,
@@ -406,9 +407,9 @@ def test_a_run_submitted_from_the_ui_form_shows_its_state_shards_output_and_repo
         page = browser.new_page(viewport={"width": 1400, "height": 1200})
         page.goto(f"{ui}/deployments/deployment/{deployment['id']}/run")
         for labels, value in ((("Run name",), "browser"), (("Output",), str(tmp_path)),
-                              (("Data", "Source"), str(demo_questions())), (("Data", "Shard Size"), "10"),
+                              (("Data", "Source"), str(demo_questions())), (("Data", "Shard size"), "10"),
                               (("Model", "Name"), DEMO_MODEL_NAME), (("Model", "Tokenizer"), str(tiny_model)),
-                              (("Server", "Endpoints"), server.url), (("Generation", "Max Tokens"), "64")):
+                              (("Server", "Endpoints"), server.url), (("Generation", "Max tokens"), "64")):
             _form_property(page, *labels).locator("textarea, input").first.fill(value)
         _form_property(page, "Model", "Profile").locator("button.p-select-button__control").focus()
         page.keyboard.press("ArrowDown")  # the list opens from the keyboard (a click toggles it shut again)
@@ -429,7 +430,7 @@ def test_a_run_submitted_from_the_ui_form_shows_its_state_shards_output_and_repo
         assert "written" in row.first.inner_text(), row.first.inner_text()
     _open_artifact(page, ui, "browser-output")
     run_dir = tmp_path / "browser"
-    page.locator(f"a[href='{run_dir.as_uri()}']").first.wait_for(timeout=30_000)
+    page.locator("code", has_text=str(run_dir)).first.wait_for(timeout=30_000)
     _open_artifact(page, ui, "browser-report")
     plots = page.locator("img[src^='data:image/png;base64,']")
     report = _artifact(prefect_env, "browser-report")["data"]

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from eagle3_datagen.storage import RunStore, StoragePathError
+from eagle3_datagen.storage import OutputNotWritable, RunStore, StoragePathError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -122,6 +122,34 @@ def counted_s3_reads() -> Iterator[dict[str, int]]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(S3FileSystem, "_call_s3", counted_call)
         yield counts
+
+
+@pytest.mark.parametrize(("credentials", "fix"), [
+    ({}, "no credentials for it in this process's environment: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"),
+    ({"AWS_ACCESS_KEY_ID": "eagle3test", "AWS_SECRET_ACCESS_KEY": "not-the-secret"},
+     "the store refuses these credentials: check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"),
+])
+def test_s3_credentials_missing_or_refused_fail_the_start_in_one_line_naming_output_uri_and_the_variables(
+        s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, credentials: dict[str, str],
+        fix: str) -> None:
+    import s3fs
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))  # nor a profile of this machine's
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name, value in credentials.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        with pytest.raises(OutputNotWritable) as failure:
+            RunStore("s3://eagle3-test/runs", "no-keys").check_writable()
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    line = failure.value.one_line()
+    assert line.startswith("output_uri: cannot write the run folder s3://eagle3-test/runs/no-keys (") and fix in line
+    assert "not-the-secret" not in line
 
 
 def test_a_restarted_s3_gateway_costs_a_retry_not_an_artifact(s3_endpoint: str, ceph_folder: Path,

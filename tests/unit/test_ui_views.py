@@ -3,17 +3,21 @@ and the latency the report plots."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from eagle3_datagen.artifacts import ShardRef, ui_key
-from eagle3_datagen.config import ConfigError, absolute_uri
+from eagle3_datagen.config import ConfigError, PipelineConfig, ServerConfig, absolute_uri
 from eagle3_datagen.errors import OneLineFormatter, UserError
 from tasks.generation.progress import shard_rows
-from tasks.report import latency_over_time
+from tasks.report import latency_over_time, where_outputs_are
 
 
 def test_artifact_keys_fit_prefect_and_keep_runs_apart() -> None:
@@ -73,3 +77,36 @@ def test_the_ui_log_stream_gets_a_user_error_as_one_line_and_a_bug_with_its_trac
     bug = ui.format(_failed(KeyError("shard")))
     assert bug.startswith("Task run failed: KeyError('shard')\nTraceback (most recent call last):")
     assert "Traceback" not in OneLineFormatter(None).format(_failed(KeyError("shard"))), "the console: none"
+
+
+def test_the_output_is_shown_as_a_path_to_copy_with_the_commands_that_list_and_check_it() -> None:
+    assert where_outputs_are("s3://team/runs/nightly") == (
+        "`s3://team/runs/nightly` (list it: `aws s3 ls s3://team/runs/nightly/`; check it: "
+        "`eagle3-datagen verify s3://team/runs/nightly`)")
+    assert where_outputs_are("/data/runs/a").startswith("`/data/runs/a` (list it: `ls /data/runs/a`;")
+
+
+def _fields(schema: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for section in [schema, *schema["$defs"].values()]:
+        yield from section.get("properties", {}).items()
+
+
+def test_the_form_titles_every_field_in_words_and_offers_auto_from_a_list() -> None:
+    schema = PipelineConfig.model_json_schema()
+    titles = {name: field["title"] for name, field in _fields(schema)}
+    assert titles["startup_timeout_s"] == "Startup timeout (seconds)" and titles["api_key_env"] == "API key variable"
+    raw = [title for name, title in titles.items() if title == name.replace("_", " ").title() and "_" in name]
+    assert raw == [], "titles that read as Python names"
+    branches = schema["$defs"]["ServerConfig"]["properties"]["max_in_flight"]["anyOf"]
+    assert {"type": "string", "enum": ["auto"], "title": "auto"} in branches
+    assert not [branch for branch in branches if "const" in branch], "Prefect's form shows a const as unchangeable"
+    assert ServerConfig.model_validate({"max_in_flight": "auto"}).max_in_flight == "auto"
+
+
+def test_the_custom_profiles_example_in_the_form_is_a_valid_profile() -> None:
+    description = PipelineConfig.model_json_schema()["properties"]["profiles"]["description"]
+    example = json.loads(re.search(r"`(\{.*\})`", description).group(1))  # type: ignore[union-attr]
+    config = PipelineConfig.model_validate({
+        "run_name": "r", "output_uri": "/runs", "data": {"source": "d.jsonl"}, "profiles": example,
+        "model": {"name": "m", "profile": next(iter(example)), "tokenizer": "t"}})
+    assert config.profile.reasoning_parser == "deepseek_r1"
