@@ -54,7 +54,8 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
             assert server.poll() is None and time.monotonic() < deadline, (home / "server.log").read_text()[-2000:]
             time.sleep(0.5)
         for command in (["work-pool", "create", "eagle3", "--type", "process"], ["--no-prompt", "deploy", "--all"]):
-            done = subprocess.run([PREFECT, *command], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+            done = subprocess.run([PREFECT, *command], env={**env, "PWD": str(REPO)}, cwd=REPO,  # as from a shell
+                                  capture_output=True, text=True, timeout=300)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         yield env
     finally:
@@ -134,9 +135,9 @@ def _final_state(env: dict[str, str], flow_run_id: str, timeout_s: float = 420) 
 
 def test_deployments_and_schedule_are_registered(prefect_env: dict[str, str]) -> None:
     deployments = {d["name"]: d for d in _api(prefect_env, "POST", "/deployments/filter", json={})}
-    assert set(deployments) == {"pipeline", "pipeline-ray", "generation-only", "extract-only", "rerun-failed",
-                                "export"}
-    schedule = deployments["pipeline"]["schedules"][0]
+    assert set(deployments) == {"pipeline", "nightly", "pipeline-ray", "generation-only", "extract-only",
+                                "rerun-failed", "export"}
+    schedule = deployments["nightly"]["schedules"][0]
     assert schedule["schedule"]["cron"] == "0 2 * * *" and schedule["active"] is False
     schema = deployments["pipeline"]["parameter_openapi_schema"]
     assert "config" in schema["properties"], "the UI form is the pydantic config"
@@ -290,9 +291,11 @@ def _merge(config: dict[str, Any], **sections: Any) -> dict[str, Any]:
 
 
 def test_turning_the_schedule_on_runs_the_documented_default_config(prefect_env: dict[str, str]) -> None:
-    deployment = _deployment(prefect_env, "pipeline")
+    deployment = _deployment(prefect_env, "nightly")
     example = yaml.safe_load((REPO / "examples" / "nightly.yaml").read_text())
     assert deployment["parameters"] == {"config": example}, "the schedule's runs get the documented example"
+    form = _deployment(prefect_env, "pipeline")["parameters"]["config"]
+    assert form["output_uri"] == str(REPO / "runs"), "the pipeline form opens with this machine's values"
     schedule = deployment["schedules"][0]
     _api(prefect_env, "PATCH", f"/deployments/{deployment['id']}/schedules/{schedule['id']}", json={"active": True})
     try:
@@ -306,6 +309,20 @@ def test_turning_the_schedule_on_runs_the_documented_default_config(prefect_env:
              json={"active": False})
     assert not _api(prefect_env, "POST", "/flow_runs/filter", json={
         "deployments": {"id": {"any_": [deployment["id"]]}}, "flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}}})
+
+
+def test_the_forms_defaults_run_once_pointed_at_a_server_as_the_readme_says(
+        prefect_env: dict[str, str], worker: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """Quick run with the form's defaults, changed only where the README says: the server and its model (and,
+    here, an output folder the test removes)."""
+    defaults = _deployment(prefect_env, "pipeline")["parameters"]["config"]
+    with ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)))) as server:
+        config = {**defaults, "output_uri": str(tmp_path), "server": {**defaults["server"], "endpoints": [server.url]},
+                  "model": {**defaults["model"], "tokenizer": str(tiny_model)}}
+        run = _start(prefect_env, "pipeline", {"config": config})
+        assert _final_state(prefect_env, run["id"]) == "COMPLETED", worker.read_text()[-3000:]
+    manifest = json.loads((tmp_path / defaults["run_name"] / "manifest.json").read_text())
+    assert manifest["status"] == "completed" and manifest["config"]["server"]["max_in_flight"] == 16
 
 
 def test_a_nightly_pass_over_a_grown_dataset_asks_only_the_new_prompts(prefect_env: dict[str, str], worker: Path,

@@ -57,18 +57,37 @@ def test_prefect_yaml_deploys_every_flow_to_the_pool_the_infra_starts() -> None:
 
 
 def test_the_nightly_schedule_runs_the_documented_example_config() -> None:
-    """Turning the schedule on runs the deployment's default parameters: they must be the documented example,
-    a valid config, and aimed at the compose stack's services (an absolute output, as a worker requires)."""
+    """Turning the nightly deployment's schedule on runs its default parameters: they must be the documented
+    example, a valid config, and aimed at the compose stack's services (an absolute output, as a worker
+    requires). The pipeline deployment has no schedule: its form opens with values for this machine."""
     from eagle3_datagen.config import parse_config
 
-    pipeline = next(d for d in _documents(INFRA.parent / "prefect.yaml")[0]["deployments"] if d["name"] == "pipeline")
+    deployments = {d["name"]: d for d in _documents(INFRA.parent / "prefect.yaml")[0]["deployments"]}
+    nightly = deployments["nightly"]
     example = yaml.safe_load((INFRA.parent / "examples" / "nightly.yaml").read_text())
-    assert pipeline["schedules"] and pipeline["parameters"]["config"] == example
+    [schedule] = nightly["schedules"]
+    assert schedule["active"] is False and nightly["parameters"]["config"] == example
+    assert nightly["entrypoint"] == deployments["pipeline"]["entrypoint"] and "schedules" not in deployments[
+        "pipeline"]
     config = parse_config(example)
     services = _documents(INFRA / "compose.yaml")[0]["services"]
     assert config.server.endpoints == ["http://vllm-kimi:8000"]
     assert config.model.name in services["vllm-kimi"]["command"]
     assert config.output_uri.startswith("s3://") and "/data/prompts" in str(services["worker"]["volumes"])
+
+
+def test_the_form_opens_with_values_that_run_on_this_machine() -> None:
+    """No site's values in the form: an absolute output under the folder `prefect deploy` ran in, the repo's own
+    questions and tiny model, a number of requests in flight (`auto` needs vLLM's /metrics)."""
+    from eagle3_datagen.config import parse_config
+
+    pipeline = next(d for d in _documents(INFRA.parent / "prefect.yaml")[0]["deployments"] if d["name"] == "pipeline")
+    repo = INFRA.parent
+    resolved = yaml.safe_load(yaml.safe_dump(pipeline["parameters"]["config"]).replace("{{ $PWD }}", str(repo)))
+    config = parse_config(resolved)
+    assert config.output_uri == str(repo / "runs")
+    assert Path(config.data.source).is_file() and config.model.tokenizer == str(repo / "build" / "tiny-model")
+    assert isinstance(config.server.max_in_flight, int) and config.server.endpoints == ["http://127.0.0.1:8000"]
 
 
 def test_the_ray_cluster_runs_this_ray_and_the_worker_names_its_head() -> None:
