@@ -535,13 +535,14 @@ def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards
         return generation_error
     if short:
         more = f" and {len(short) - 10} more" if len(short) > 10 else ""
-        which = f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}"
+        others = f"; the others went on to {last_stage}" if len(short) < num_shards else ""
+        which = f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}{others})"
         if generation_error:
-            return f"{generation_error}; {which}; the others went on to {last_stage})"
+            return f"{generation_error}; {which}"
         why = next((f"{name} {stage}: {s[stage]['reasons'][0]}; " for name in short for stage in STAGES
                     if (s := shards[name]).get(stage, {}).get("reasons")), "")
-        return (f"{which}; the others went on to {last_stage}): {why}see {store.uri}/{MANIFEST}; fix the cause and "
-                "run again (finished shards are not redone)")
+        return (f"{which}: {why}see {store.uri}/{MANIFEST}; fix the cause and run again (finished shards are not "
+                "redone)")
     prompts = sum(s["prompts"]["records"] for s in shards.values())
     accepted = sum(s[last_stage].get("accepted_prompts", 0) for s in shards.values())
     rate = accepted / max(1, prompts)

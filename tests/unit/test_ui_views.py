@@ -110,3 +110,15 @@ def test_the_custom_profiles_example_in_the_form_is_a_valid_profile() -> None:
         "run_name": "r", "output_uri": "/runs", "data": {"source": "d.jsonl"}, "profiles": example,
         "model": {"name": "m", "profile": next(iter(example)), "tokenizer": "t"}})
     assert config.profile.reasoning_parser == "deepseek_r1"
+
+
+def test_a_shortfall_names_the_shards_and_says_others_went_on_only_when_some_did(tmp_path: Path) -> None:
+    from eagle3_datagen.storage import RunStore
+    from tasks.report import run_shortfall
+
+    store = RunStore(str(tmp_path), "r")
+    done = {"sequences": {"status": "done"}}
+    one_short = run_shortfall({"shard-00000": done, "shard-00001": {}}, "sequences", 2, 0.5, store, "refused")
+    assert one_short == "refused; 1 of 2 shards did not finish (shard-00001; the others went on to sequences)"
+    all_short = run_shortfall({"shard-00000": {}, "shard-00001": {}}, "sequences", 2, 0.5, store, "refused")
+    assert all_short == "refused; 2 of 2 shards did not finish (shard-00000, shard-00001)"
