@@ -121,7 +121,11 @@ class ServerConfig(_Section):
         default=None,
         description="Name of a Prefect Secret block holding the API key, used when the variable is unset.",
     )
-    startup_timeout_s: float = Field(default=600.0, gt=0, description="How long to wait for /health.")
+    startup_timeout_s: float = Field(
+        default=600.0, gt=0,
+        description="How long a starting server (no answer yet, or /health 503) is waited for, with a line every "
+        "15 s; a port that refuses connections and never answered fails in 10 s.",
+    )
     request_timeout_s: float = Field(default=3600.0, gt=0, description="Per request; reasoning can be long.")
     max_retries: int = Field(default=5, ge=0, description="Retries of a request on 408/429/5xx and dropped links.")
     retry_backoff_s: float = Field(default=1.0, gt=0, description="First retry delay; doubles each try, jittered.")
