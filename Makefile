@@ -84,14 +84,14 @@ test-fast: $(VENV)/.installed $(TINY_MODEL)/.built
 SEEDS ?= 1 2
 PYTEST_ARGS ?= -q -ra
 test-seeds: setup test-services test-browser
-	set -e; for seed in $(SEEDS); do \
-	  $(VENV)/bin/python -m eagle3_datagen.testing.tiny_model --seed $$seed --out build/seed-$$seed/tiny-model; \
+	failed=""; for seed in $(SEEDS); do \
+	  $(VENV)/bin/python -m eagle3_datagen.testing.tiny_model --seed $$seed --out build/seed-$$seed/tiny-model && \
 	  $(if $(TINY_KIMI),$(VENV)/bin/python -m eagle3_datagen.testing.tiny_model --seed $$seed \
-	    --out build/seed-$$seed/tiny-kimi --kimi-tokenizer $(KIMI_TOKENIZER);) \
+	    --out build/seed-$$seed/tiny-kimi --kimi-tokenizer $(KIMI_TOKENIZER) &&) \
 	  EAGLE3_TINY_MODEL=$(abspath build)/seed-$$seed/tiny-model \
 	  EAGLE3_TINY_KIMI=$(if $(TINY_KIMI),$(abspath build)/seed-$$seed/tiny-kimi) \
-	  $(VENV)/bin/python -m pytest $(PYTEST_ARGS); \
-	done
+	  $(VENV)/bin/python -m pytest $(PYTEST_ARGS) || failed="$$failed $$seed"; \
+	done; [ -z "$$failed" ] || { echo "the suite failed on tiny models of seed(s)$$failed"; exit 1; }
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build runs
