@@ -100,6 +100,7 @@ def generation_only(config: PipelineConfig) -> dict[str, Any]:
     Args:
         config: The run, as for the pipeline; its hidden-states section is ignored.
     """
+    user_errors_one_line_in_the_ui()
     hidden_states = config.hidden_states.model_copy(update={"backend": "none"})
     return pipeline_for(config)(config.model_copy(update={"hidden_states": hidden_states}))
 
@@ -112,6 +113,7 @@ def rerun_failed(run: str, redo_quarantined: bool = False) -> dict[str, Any]:
         run: The run folder, absolute (`/data/runs/my-run`) or `s3://bucket/prefix/my-run`.
         redo_quarantined: Generate quarantined shards again (their old records are kept aside).
     """
+    user_errors_one_line_in_the_ui()
     run = settled_run(run)
     print(rerun_plan(verify_run(RunStore.at(run)), redo_quarantined))
     reopened = reopen_quarantined_shards(run) if redo_quarantined else []
@@ -127,6 +129,7 @@ def extract_only(run: str, hidden_states: HiddenStatesConfig) -> dict[str, Any]:
         run: The run folder, absolute (`/data/runs/my-run`) or `s3://bucket/prefix/my-run`.
         hidden_states: The extraction settings to use instead of the recorded ones.
     """
+    user_errors_one_line_in_the_ui()
     run = settled_run(run)
     config = recorded_config(run)
     return pipeline_for(config)(config.model_copy(update={"hidden_states": hidden_states}))
@@ -141,6 +144,7 @@ def export(run: str, format: ExportFormat, out: str | None = None) -> dict[str, 
         format: `specforge` or `speculators`.
         out: Where to write (any fsspec URI); default RUN/exports/FORMAT.
     """
+    user_errors_one_line_in_the_ui()
     run = settled_run(run)
     plan = plan_export(run, format, out)
     shards = export_shard_task.map(unmapped(plan), plan.shards)

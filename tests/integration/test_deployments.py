@@ -269,6 +269,12 @@ def test_a_known_error_reaches_the_ui_logs_as_one_line_without_a_traceback(
     lines = _log_lines(prefect_env, run["id"])
     assert any("absent.jsonl" in line for line in lines), lines
     assert not [line for line in lines if "Traceback" in line or line.startswith("  File ")], lines
+    # the same in a flow that fails before it reaches the pipeline: a run folder that does not exist
+    rerun = _start(prefect_env, "rerun-failed", {"run": str(tmp_path / "never-ran")})
+    assert _final_state(prefect_env, rerun["id"]) == "FAILED", worker.read_text()[-3000:]
+    lines = _log_lines(prefect_env, rerun["id"])
+    assert any("never-ran" in line for line in lines), lines
+    assert not [line for line in lines if "Traceback" in line or line.startswith("  File ")], lines
 
 
 def test_the_form_refuses_bad_input_at_submit_naming_the_field(prefect_env: dict[str, str]) -> None:
