@@ -467,10 +467,6 @@ class PipelineConfig(_Section):
         return self.hidden_states.model or self.model.tokenizer
 
 
-class ConfigError(ConfigurationError, ValueError):
-    """A config problem, phrased as one line that names the key to fix."""
-
-
 def absolute_uri(uri: str, started_in: Path | None, key: str) -> str:
     """`uri` made absolute against the directory a run was started in, once, so it is recorded as it was meant.
 
@@ -480,7 +476,7 @@ def absolute_uri(uri: str, started_in: Path | None, key: str) -> str:
     if re.match(_ABSOLUTE, uri):
         return uri
     if started_in is None:
-        raise ConfigError(
+        raise ConfigurationError(
             f"config key {key}: {uri!r} is relative, and a deployment run has no directory of its own (the worker "
             f"runs it in a temporary folder deleted afterwards): set {key} to an absolute path or s3://bucket/prefix"
         )
@@ -490,13 +486,13 @@ def absolute_uri(uri: str, started_in: Path | None, key: str) -> str:
 def _set_dotted(tree: dict[str, Any], dotted: str) -> None:
     key_path, sep, value = dotted.partition("=")
     if not sep or not key_path:
-        raise ConfigError(f"--set {dotted!r}: write it as dotted.key=value")
+        raise ConfigurationError(f"--set {dotted!r}: write it as dotted.key=value")
     node = tree
     *parents, leaf = key_path.split(".")
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {dotted!r}: {part!r} is not a section")
+            raise ConfigurationError(f"--set {dotted!r}: {part!r} is not a section")
     node[leaf] = yaml.safe_load(value) if value else value
 
 
@@ -511,24 +507,24 @@ def _one_line(error: ValidationError) -> str:
 
 
 def parse_config(tree: dict[str, Any], overrides: list[str] | None = None) -> PipelineConfig:
-    """Validate a config tree (plus `dotted.key=value` overrides) into a PipelineConfig or a ConfigError."""
+    """Validate a config tree (plus `dotted.key=value` overrides) into a PipelineConfig or a ConfigurationError."""
     for item in overrides or []:
         _set_dotted(tree, item)
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as error:
-        raise ConfigError(_one_line(error)) from None
+        raise ConfigurationError(_one_line(error)) from None
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> PipelineConfig:
-    """Read a YAML config file; every problem is a one-line ConfigError naming the fix."""
+    """Read a YAML config file; every problem is a one-line ConfigurationError naming the fix."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found: pass --config with the path to your YAML file")
+        raise ConfigurationError(f"config file {path} not found: pass --config with the path to your YAML file")
     try:
         tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as error:
-        raise ConfigError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+        raise ConfigurationError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
     if not isinstance(tree, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of keys (run_name, data, model, ...)")
+        raise ConfigurationError(f"config file {path} must hold a mapping of keys (run_name, data, model, ...)")
     return parse_config(tree, overrides)

@@ -40,8 +40,8 @@ class UserError(Eagle3Error):
         return redact(" ".join(str(self).split()) + where)
 
 
-class ConfigurationError(UserError):
-    """The config (or a file it names) is wrong before anything runs."""
+class ConfigurationError(UserError, ValueError):
+    """The config (or a file it names) is wrong before anything runs: one line naming the key to fix."""
 
     exit_status = 2
 

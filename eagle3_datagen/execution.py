@@ -18,7 +18,7 @@ from prefect.task_runners import TaskRunner, ThreadPoolTaskRunner
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
 
-from eagle3_datagen.config import ConfigError, ExecutionConfig
+from eagle3_datagen.config import ExecutionConfig
 from eagle3_datagen.errors import ConfigurationError
 
 RAY_PORT = 6379
@@ -85,7 +85,7 @@ def check_task_runner(execution: ExecutionConfig) -> None:
     if context is None or execution.task_runner == "local":
         return
     if not isinstance(context.task_runner, RayTaskRunner):
-        raise ConfigError(
+        raise ConfigurationError(
             "config key execution.task_runner: ray, but this flow runs its tasks locally: run it with the "
             "command line, or from the `pipeline-ray` deployment (prefect.yaml)"
         )

@@ -38,8 +38,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from eagle3_datagen.artifacts import sha256_hex
-from eagle3_datagen.config import Compression, ConfigError
-from eagle3_datagen.errors import UserError
+from eagle3_datagen.config import Compression
+from eagle3_datagen.errors import ConfigurationError, UserError
 from eagle3_datagen.storage import RunStore
 
 FORMAT = "eagle3-hidden-states/3"  # /3: parts may be compressed (their metadata and the index say how)
@@ -124,7 +124,7 @@ def final_rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> to
 def check_compression(compression: Compression, torch_module: ModuleType = torch) -> None:
     """Refuse fp8 before any work where torch has no float8 dtypes (torch < 2.1), rather than at the first part."""
     if compression == "fp8" and not hasattr(torch_module, "float8_e4m3fn"):
-        raise ConfigError(
+        raise ConfigurationError(
             f"config key hidden_states.compression: fp8 needs float8 dtypes, which torch "
             f"{getattr(torch_module, '__version__', '?')} lacks: install torch >= 2.1 or use compression zstd"
         )

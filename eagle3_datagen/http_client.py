@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from eagle3_datagen.errors import Eagle3Error
+
 # idle connections are dropped before the server's keep-alive ends (vLLM's uvicorn: 5 s), so a request is rarely
 # sent on a connection the server is closing; when one is, it is sent again once on a new connection
 KEEPALIVE_S = 3.0
@@ -29,7 +31,7 @@ DEADLINE_GRAIN_S = 0.5  # requests whose deadlines fall in the same half second 
 USER_AGENT = "eagle3-datagen"
 
 
-class ConnectionLost(ConnectionError):
+class ConnectionLost(Eagle3Error, ConnectionError):
     """The connection ended before the whole response arrived."""
 
     def __init__(self, message: str, answered: bool) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 
 from eagle3_datagen.config import GenerationConfig, ServerConfig
+from eagle3_datagen.errors import Eagle3Error
 from eagle3_datagen.http_client import HTTPConnections
 from eagle3_datagen.modes import with_system_prompt
 from eagle3_datagen.profiles import ModelProfile, ModeSpec
@@ -38,11 +39,11 @@ UNKNOWN_MODEL = re.compile(r"\bmodel\b[^.]*\b(does not exist|not found)|\b(unkno
 CHAT_PATH = "/v1/chat/completions"
 
 
-class ProtocolError(RuntimeError):
+class ProtocolError(Eagle3Error, RuntimeError):
     """A response that does not follow the protocol (missing choices, conflicting reasoning fields...)."""
 
 
-class RequestFailed(RuntimeError):
+class RequestFailed(Eagle3Error, RuntimeError):
     """A request the server refused; `retryable` says whether trying again can help."""
 
     def __init__(self, message: str, status: int | None, retryable: bool) -> None:

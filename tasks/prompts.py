@@ -31,7 +31,7 @@ from eagle3_datagen.artifacts import (
 )
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
-from eagle3_datagen.errors import Log, UserError, retry_unless_user_error
+from eagle3_datagen.errors import Eagle3Error, Log, UserError, retry_unless_user_error
 from eagle3_datagen.storage import RunStore, marker_path
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ _OPENAI = ("messages", "role", "content")
 _FORMS = {"sharegpt": (_SHAREGPT,), "openai": (_OPENAI,), "auto": (_SHAREGPT, _OPENAI)}
 
 
-class RowRejected(ValueError):
+class RowRejected(Eagle3Error, ValueError):
     """A row that cannot become a prompt: its reason is logged and the run goes on."""
 
 

@@ -38,8 +38,8 @@ from eagle3_datagen.artifacts import (
     shard_name,
     ui_key,
 )
-from eagle3_datagen.config import ConfigError, PipelineConfig, absolute_uri, parse_config
-from eagle3_datagen.errors import UserError, one_line
+from eagle3_datagen.config import PipelineConfig, absolute_uri, parse_config
+from eagle3_datagen.errors import ConfigurationError, UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.modes import assign_mode
 from eagle3_datagen.profiles import ModelProfile
@@ -142,7 +142,7 @@ def recorded_config(run_uri: str, overrides: list[str] | None = None) -> Pipelin
     """The config a run was started with, from its manifest (for re-runs and extraction-only runs)."""
     store = RunStore.at(run_uri)
     if not store.exists(MANIFEST):
-        raise ConfigError(f"{run_uri} has no {MANIFEST}: pass a run folder such as runs/demo or s3://bucket/x/run")
+        raise ConfigurationError(f"{run_uri} has no {MANIFEST}: pass a run folder such as runs/demo or s3://bucket/x/run")
     return parse_config(store.read_json(MANIFEST)["config"], overrides)
 
 

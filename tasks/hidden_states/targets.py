@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig
 
-from eagle3_datagen.config import ConfigError
+from eagle3_datagen.errors import ConfigurationError
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def resolve_aux_layers(configured: Sequence[int] | None, num_layers: int) -> lis
     if len(layers) == 3 and layers == sorted(set(layers)) and all(1 <= i < num_layers for i in layers):
         return layers
     what = f"{layers} is invalid" if configured is not None else f"the default {layers} does not fit"
-    raise ConfigError(
+    raise ConfigurationError(
         f"config key hidden_states.aux_layers: {what}; give 3 increasing input-to-layer ids in "
         f"1..{num_layers - 1} (the valid range for this {num_layers}-layer target)"
     )
@@ -57,7 +57,7 @@ def remote_code_named(path: str) -> Iterator[None]:
     except ValueError as error:
         if "trust_remote_code" not in str(error):
             raise
-        raise ConfigError(
+        raise ConfigurationError(
             f"config key model.trust_remote_code: {path} ships its own model code (e.g. Kimi-K2.5's multimodal "
             "wrapper); set model.trust_remote_code: true if you trust it"
         ) from None

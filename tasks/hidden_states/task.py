@@ -9,8 +9,8 @@ from prefect import task
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, worker_record_path
 from eagle3_datagen.caching import STAGE_CACHE
-from eagle3_datagen.config import ConfigError, HiddenStatesConfig
-from eagle3_datagen.errors import retry_unless_user_error
+from eagle3_datagen.config import HiddenStatesConfig
+from eagle3_datagen.errors import ConfigurationError, retry_unless_user_error
 from eagle3_datagen.hidden_state_format import check_compression
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.targets import resolve_aux_layers, target_num_layers
@@ -49,7 +49,7 @@ def extract_hidden_states(
         store.write_json(worker_record_path(sequences.index),
                          {"host": socket.gethostname(), "pid": os.getpid(), "target_loads_in_process": target_loads()})
     else:
-        raise ConfigError(f"config key hidden_states.backend: {settings.backend!r} extracts nothing")
+        raise ConfigurationError(f"config key hidden_states.backend: {settings.backend!r} extracts nothing")
     rel = artifact_path("hidden_states", sequences.index)
     return ShardRef(
         stage="hidden_states",

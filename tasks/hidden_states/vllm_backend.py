@@ -25,7 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from eagle3_datagen.artifacts import ShardRef
-from eagle3_datagen.config import ConfigError, HiddenStatesConfig
+from eagle3_datagen.config import HiddenStatesConfig
+from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample
 from eagle3_datagen.storage import RunStore
@@ -80,7 +81,7 @@ def load_served_target(path: str) -> ServedTarget:
     """Config and final-norm weight of a local checkpoint folder (a 1 T-parameter one too: one small tensor is read)."""
     folder = Path(path)
     if not (folder / "config.json").is_file():
-        raise ConfigError(
+        raise ConfigurationError(
             f"config key hidden_states.model: {path} is not a local model folder; the vllm backend reads the "
             "target's config and final-norm weight from its checkpoint"
         )

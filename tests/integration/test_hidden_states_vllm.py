@@ -21,7 +21,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from cli.demo import demo_questions
 from eagle3_datagen.artifacts import artifact_path
-from eagle3_datagen.config import ConfigError, HiddenStatesConfig
+from eagle3_datagen.config import HiddenStatesConfig
+from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.hidden_state_format import (
     HiddenStatesError,
     final_rms_norm,
@@ -77,7 +78,7 @@ def test_vllm_backend_needs_an_endpoint() -> None:
 
 
 def test_served_target_refuses_a_hub_id() -> None:
-    with pytest.raises(ConfigError, match=r"hidden_states\.model: org/model is not a local model folder"):
+    with pytest.raises(ConfigurationError, match=r"hidden_states\.model: org/model is not a local model folder"):
         load_served_target("org/model")
 
 

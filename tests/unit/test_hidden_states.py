@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load as safetensors_load
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
-from eagle3_datagen.config import ConfigError, HiddenStatesConfig, parse_config
+from eagle3_datagen.config import HiddenStatesConfig, parse_config
+from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.hidden_state_format import (
     HiddenStatesError,
     Sample,
@@ -67,13 +68,13 @@ def test_default_aux_layers_follow_eagle3_for_8_layers() -> None:
 
 @pytest.mark.parametrize("layers", [[0, 4, 5], [2, 4, 8], [4, 2, 5], [2, 2, 5], [2, 4], [1, 2, 3, 4]])
 def test_invalid_aux_layers_give_one_line_error_with_valid_range(layers: list[int]) -> None:
-    with pytest.raises(ConfigError, match=r"hidden_states\.aux_layers.*1\.\.7") as error:
+    with pytest.raises(ConfigurationError, match=r"hidden_states\.aux_layers.*1\.\.7") as error:
         resolve_aux_layers(layers, 8)
     assert "\n" not in str(error.value)
 
 
 def test_default_aux_layers_refused_when_they_collide_on_a_shallow_model() -> None:
-    with pytest.raises(ConfigError, match=r"default \[2, 3, 3\].*1\.\.5"):
+    with pytest.raises(ConfigurationError, match=r"default \[2, 3, 3\].*1\.\.5"):
         resolve_aux_layers(None, 6)
 
 
@@ -443,7 +444,7 @@ def test_a_shard_of_the_format_before_compression_is_refused_by_name(bf16: Targe
 def test_fp8_on_a_torch_without_float8_is_one_line_naming_the_fix() -> None:
     old_torch = SimpleNamespace(__version__="2.0.1")
     fix = r"hidden_states\.compression: fp8 needs .* torch 2\.0\.1 .* use compression zstd"
-    with pytest.raises(ConfigError, match=fix) as error:
+    with pytest.raises(ConfigurationError, match=fix) as error:
         check_compression("fp8", old_torch)
     assert "\n" not in str(error.value)
     check_compression("zstd", old_torch)
@@ -453,7 +454,7 @@ def test_fp8_on_a_torch_without_float8_is_one_line_naming_the_fix() -> None:
 def test_an_unknown_compression_is_one_config_line() -> None:
     tree = {"run_name": "r", "data": {"source": "d.jsonl"},
             "model": {"name": "m", "profile": "qwen3", "tokenizer": "t"}, "hidden_states": {"compression": "gzip"}}
-    with pytest.raises(ConfigError) as error:
+    with pytest.raises(ConfigurationError) as error:
         parse_config(tree)
     assert str(error.value) == "config key hidden_states.compression: Input should be 'none', 'zstd' or 'fp8'"
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from eagle3_datagen.config import ConfigError
+from eagle3_datagen.errors import ConfigurationError
 from tasks.hidden_states.targets import default_aux_layers, target_num_layers
 from tasks.hidden_states.transformers_backend import capture_batch, fresh_target_model
 
@@ -108,10 +108,10 @@ def test_deepseek_v3_layers_are_hooked_at_the_aux_layers_and_the_final_norm_chec
 
 def test_a_wrapped_target_needs_the_flag_and_is_then_hooked_inside_its_wrapper(
         deepseek_dir: Path, wrapped_dir: Path) -> None:
-    with pytest.raises(ConfigError) as refused:
+    with pytest.raises(ConfigurationError) as refused:
         target_num_layers(str(wrapped_dir))
     assert "set model.trust_remote_code: true" in str(refused.value) and "\n" not in str(refused.value)
-    with pytest.raises(ConfigError, match=r"model\.trust_remote_code"):
+    with pytest.raises(ConfigurationError, match=r"model\.trust_remote_code"):
         fresh_target_model(str(wrapped_dir), "float32", "cpu")
 
     assert target_num_layers(str(wrapped_dir), trust_remote_code=True) == LAYERS

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from eagle3_datagen.artifacts import ShardRef, ui_key
-from eagle3_datagen.config import ConfigError, PipelineConfig, ServerConfig, absolute_uri
-from eagle3_datagen.errors import OneLineFormatter, UserError
+from eagle3_datagen.config import PipelineConfig, ServerConfig, absolute_uri
+from eagle3_datagen.errors import ConfigurationError, OneLineFormatter, UserError
 from tasks.generation.progress import shard_rows
 from tasks.report import latency_over_time, where_outputs_are
 
@@ -31,7 +31,7 @@ def test_a_relative_output_is_made_absolute_where_the_run_started_or_refused_wit
     assert absolute_uri("runs", tmp_path, "output_uri") == str(tmp_path / "runs")
     assert absolute_uri("s3://bucket/x", None, "output_uri") == "s3://bucket/x"
     assert absolute_uri("/data/runs", None, "output_uri") == "/data/runs"
-    with pytest.raises(ConfigError, match="set output_uri to an absolute path or s3://bucket/prefix"):
+    with pytest.raises(ConfigurationError, match="set output_uri to an absolute path or s3://bucket/prefix"):
         absolute_uri("./runs", None, "output_uri")
 
 
