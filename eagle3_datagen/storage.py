@@ -19,7 +19,7 @@ from typing import IO, Any, TypeVar
 import fsspec
 from fsspec.core import url_to_fs
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
+from eagle3_datagen.artifacts import SHARD_STAGES, ShardRef, artifact_path, sha256_hex, shard_index_of
 from eagle3_datagen.errors import ConfigurationError, UserError
 
 T = TypeVar("T")
@@ -211,6 +211,12 @@ class RunStore:
             return []
         names = sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(folder, detail=False))
         return [posixpath.join(rel_dir, n) for n in names if n.endswith(suffix) and ".tmp-" not in n]
+
+    def shard_files_outside(self, shards: set[int]) -> list[str]:
+        """Every later stage's files and folders (`SHARD_STAGES`) of shards not in `shards`: left by an earlier
+        shard layout."""
+        return [rel for stage in SHARD_STAGES for rel in self.list(stage)
+                if (index := shard_index_of(posixpath.basename(rel))) is not None and index not in shards]
 
     def remove(self, rel: str) -> None:
         if self.exists(rel):

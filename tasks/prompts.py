@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import posixpath
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -23,10 +22,8 @@ from prefect.exceptions import MissingContextError
 from eagle3_datagen.artifacts import (
     PROMPTS_SUMMARY,
     REJECTED_PATH,
-    SHARD_STAGES,
     ShardRef,
     sha256_hex,
-    shard_index_of,
     shard_name,
 )
 from eagle3_datagen.caching import STAGE_CACHE
@@ -273,8 +270,7 @@ def retire_shards_beyond(store: RunStore, count: int) -> list[str]:
     """Remove every later stage's files of prompt shards the layout no longer has (the dataset shrank, or
     `shard_size` grew): their prompts now sit in other shards, where they are asked again, and a folder read
     whole by a trainer must never hold a prompt twice. Returns what it removed."""
-    retired = [rel for stage in SHARD_STAGES for rel in store.list(stage)
-               if (index := shard_index_of(posixpath.basename(rel))) is not None and index >= count]
+    retired = store.shard_files_outside(set(range(count)))
     for rel in retired:
         store.remove(rel)
     return retired

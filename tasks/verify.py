@@ -9,7 +9,6 @@ hidden-state part and final norm reads back. A run is vouched for only if it is 
 from __future__ import annotations
 
 import io
-import posixpath
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,12 +19,10 @@ from eagle3_datagen.artifacts import (
     MANIFEST,
     PROMPTS_SUMMARY,
     REJECTED_PATH,
-    SHARD_STAGES,
     artifact_path,
     prompt_id_of,
     rejected_path,
     sha256_hex,
-    shard_index_of,
     shard_name,
 )
 from eagle3_datagen.hidden_state_format import HiddenStatesError, read_final_norm, read_hidden_state_shard
@@ -96,8 +93,7 @@ def verify_run(store: RunStore) -> Verification:
     indexes = _prompt_shards(store)
     if indexes != list(range(summary["shards"])):
         result.problems.append(f"prompts: shards {indexes} in storage, {summary['shards']} written")
-    strays = [rel for stage in SHARD_STAGES for rel in store.list(stage)
-              if (index := shard_index_of(posixpath.basename(rel))) is not None and index not in indexes]
+    strays = store.shard_files_outside(set(indexes))
     if strays:
         result.problems.append(f"{len(strays)} files of shards the prompts no longer have, e.g. {strays[0]}: a "
                                "folder read whole would hold their prompts twice (run the pipeline again)")
