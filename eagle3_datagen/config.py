@@ -47,10 +47,11 @@ class DataConfig(_Section):
     split: str = Field(default="train", description="Dataset split to read.")
     limit: PositiveInt | None = Field(default=None, description="Read at most this many rows.")
     shard_size: PositiveInt = Field(default=500, description="Prompts per shard (the unit of storage and re-runs).")
-    turns: Literal["each", "last"] = Field(
+    turns: Literal["each", "last", "rollout"] = Field(
         default="each",
-        description="`each`: one prompt (and training sample) per user turn of a multi-turn row; `last`: only "
-        "the conversation up to its last user turn.",
+        description="`each`: one prompt (and training sample) per user turn of a multi-turn row, after the "
+        "dataset's earlier answers; `last`: only the conversation up to its last user turn; `rollout`: the "
+        "conversation regenerated turn by turn on the model's own earlier answers (one sample per turn).",
     )
     format: Literal["auto", "sharegpt", "openai"] = Field(
         default="auto", description="`sharegpt` (conversations: from/value), `openai` (messages: role/content)."
@@ -456,6 +457,13 @@ class PipelineConfig(_Section):
                     f"generation.modes: profile {self.model.profile!r} has no mode {entry.mode!r}: use one of "
                     f"{', '.join(profile.mode_specs)}, or define it under the profile's `modes:`"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _one_answer_per_turn(self) -> PipelineConfig:
+        if self.data.turns == "rollout" and self.generation.n > 1:
+            raise ValueError("generation.n must be 1 with data.turns: rollout (a conversation goes on from one "
+                             "answer): set n: 1, or use data.turns: each")
         return self
 
     @property

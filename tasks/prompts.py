@@ -177,6 +177,18 @@ def user_turn_prompts(conversation: list[dict[str, str]]) -> list[list[dict[str,
     return [conversation[: i + 1] for i, message in enumerate(conversation) if message["role"] == "user"]
 
 
+def rollout_script(conversation: list[dict[str, str]]) -> list[dict[str, str]]:
+    """What a rollout asks: the system and user messages. The dataset's answers are another model's words: the
+    target answers every turn itself, on its own earlier answers."""
+    return [message for message in conversation if message["role"] != "assistant"]
+
+
+def rollout_id(script: list[dict[str, str]]) -> str:
+    """A conversation's id: apart from every single prompt's id, so records made under another `data.turns` are
+    never taken for a rollout's turns."""
+    return prompt_id([{"role": "rollout", "content": ""}, *script])
+
+
 def _is_valid_utf8(text: str) -> bool:
     """False for lone surrogates and for U+FFFD, the mark load_rows leaves where a byte was not UTF-8."""
     try:
@@ -204,7 +216,8 @@ def write_prompt_shards(
 
     With `turns="each"` a multi-turn row gives one prompt per user turn (one training sample per assistant
     turn, each with its own regenerated reasoning); a prompt already seen (a shared first question) is skipped,
-    and a row whose prompts were all seen is rejected as a duplicate.
+    and a row whose prompts were all seen is rejected as a duplicate. With `turns="rollout"` a row is one
+    conversation (`turns` user turns), asked turn by turn on the target's own answers by generation.
 
     Raises DataSourceError when the first readable row has no prompt column (a wrong dataset, not bad rows) and when no
     row at all was accepted.
@@ -227,8 +240,12 @@ def write_prompt_shards(
         except RowRejected as why:
             rejections.append({"row": index, "stage": "prompts", "reason": str(why)})
             continue
-        prompts = user_turn_prompts(conversation) if turns == "each" else [conversation]
-        ids = [prompt_id(messages) for messages in prompts]
+        if turns == "rollout":
+            prompts = [rollout_script(conversation)]
+            ids = [rollout_id(prompts[0])]
+        else:
+            prompts = user_turn_prompts(conversation) if turns == "each" else [conversation]
+            ids = [prompt_id(messages) for messages in prompts]
         new = [(turn, pid, messages) for turn, (pid, messages) in enumerate(zip(ids, prompts, strict=True))
                if pid not in first_row_of]
         if not new:
@@ -238,7 +255,11 @@ def write_prompt_shards(
         accepted += 1
         for turn, pid, messages in new:
             first_row_of[pid] = index
-            batch.append({"id": pid, "messages": messages, "row": index, "turn": turn})
+            if turns == "rollout":
+                batch.append({"id": pid, "messages": messages, "row": index,
+                              "turns": sum(m["role"] == "user" for m in messages)})
+            else:
+                batch.append({"id": pid, "messages": messages, "row": index, "turn": turn})
             if len(batch) == shard_size:
                 shards.append(store.write_shard("prompts", len(shards), batch))
                 batch = []

@@ -89,6 +89,7 @@ class Script:
     fault_rate: float = 0.0  # chance that any other request gets a fault drawn from random_faults
     random_faults: tuple[str, ...] = RANDOM_FAULTS
     unavailable_for: str | None = None  # questions containing this text get HTTP 503 (a shard that fails)
+    refused_for: str | None = None  # questions containing this text get HTTP 400 (the prompt's own refusal)
     seed: int = 0
     think_start: str = "<think>"
     think_end: str = "</think>"
@@ -285,7 +286,8 @@ class ScriptedServer:
                 self.log.authorizations.append(request.headers.get("authorization", ""))
             question = body["messages"][-1]["content"]
             down = self.script.unavailable_for is not None and self.script.unavailable_for in question
-            fault = "http-503" if down else self._next_fault()
+            refused = self.script.refused_for is not None and self.script.refused_for in question
+            fault = "http-503" if down else "http-400" if refused else self._next_fault()
             self.log.faults += fault != "ok"
             self.log.scripted_latency_s += latency if fault != "slow" else 0.0
             self.log.change(time.monotonic(), +1)

@@ -28,6 +28,7 @@ import orjson
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sample_id, sha256_hex
 from eagle3_datagen.config import GenerationConfig
+from eagle3_datagen.conversations import turn_id, turn_messages
 from eagle3_datagen.errors import Log, UserError
 from eagle3_datagen.modes import assign_mode
 from eagle3_datagen.profiles import ModelProfile
@@ -92,6 +93,25 @@ def pin_settings(store: RunStore, settings: GenerationSettings) -> tuple[str, bo
     return run_id, fresh
 
 
+@dataclass(frozen=True)
+class Rollout:
+    """Where a rollout's prompt stands in its conversation: the script (system and user messages) and the
+    target's own answers so far."""
+
+    conversation: str
+    script: list[dict[str, Any]]
+    answers: tuple[str, ...]
+    turns: int  # user turns in the script
+
+    @property
+    def turn(self) -> int:
+        return len(self.answers)
+
+    @property
+    def last(self) -> bool:
+        return self.turn == self.turns - 1
+
+
 @dataclass
 class Prompt:
     """One prompt to generate, with where its records go."""
@@ -102,10 +122,35 @@ class Prompt:
     messages: list[dict[str, str]]
     seed: int | None
     mode: str | None = None  # None: the profile's default mode, in a run without generation.modes
+    rollout: Rollout | None = None  # a turn of a conversation asked on the target's own answers
+
+    @property
+    def continues(self) -> bool:
+        """Whether an answer to this prompt is followed by another turn."""
+        return self.rollout is not None and not self.rollout.last
+
+    def next_turn(self, answer: str) -> Prompt:
+        """The conversation's next turn, asked on `answer`."""
+        assert self.rollout is not None and not self.rollout.last
+        return rollout_prompt(self.shard, self.position, self.rollout.conversation, self.rollout.script,
+                              (*self.rollout.answers, answer), self.seed, self.mode)
+
+    def turn_fields(self) -> dict[str, int]:
+        """What a log entry of a rollout's turn carries besides its outcome."""
+        return {} if self.rollout is None else {"turn": self.rollout.turn}
+
+
+def rollout_prompt(shard: int, position: int, conversation: str, script: list[dict[str, Any]],
+                   answers: tuple[str, ...], seed: int | None, mode: str | None) -> Prompt:
+    """Turn len(answers) of a conversation."""
+    rollout = Rollout(conversation, script, answers, sum(m["role"] == "user" for m in script))
+    return Prompt(shard, position, turn_id(conversation, rollout.turn), turn_messages(script, list(answers)), seed,
+                  mode, rollout)
 
 
 def new_records(prompt: Prompt, completions: list[Completion]) -> list[dict[str, Any]]:
     """The records of one answered prompt; with `n` samples per prompt, each sample's id gets its own suffix."""
+    rollout = prompt.rollout
     return [
         {
             "id": sample_id(prompt.record_id, k, len(completions)),
@@ -118,6 +163,7 @@ def new_records(prompt: Prompt, completions: list[Completion]) -> list[dict[str,
             "completion_token_ids": done.completion_token_ids,
             "usage": done.usage,
             **({"mode": prompt.mode} if prompt.mode else {}),
+            **({"turn": rollout.turn, "turns": rollout.turns} if rollout else {}),
         }
         for k, done in enumerate(completions)
     ]
@@ -165,7 +211,7 @@ def kept_form(entry: dict[str, Any]) -> dict[str, Any]:
     """
     if "records" not in entry:
         return entry
-    return {"id": entry["id"], "position": entry["position"],
+    return {**{key: value for key, value in entry.items() if key != "records"},
             "lines": [orjson.dumps(r).decode() for r in entry["records"]]}
 
 
@@ -173,8 +219,40 @@ def log_line(entry: dict[str, Any]) -> str:
     """The partial-log line of an entry in its kept form (records serialized once, not twice)."""
     if "lines" not in entry:
         return json.dumps(entry, ensure_ascii=False)
-    return (f'{{"id": {json.dumps(entry["id"])}, "position": {entry["position"]}, '
-            f'"records": [{", ".join(entry["lines"])}]}}')
+    head = json.dumps({key: value for key, value in entry.items() if key != "lines"}, ensure_ascii=False)
+    return f'{head[:-1]}, "records": [{", ".join(entry["lines"])}]}}'
+
+
+def place(entries: dict[int, dict[str, Any]], turns: dict[int, list[str]], at: int, entry: dict[str, Any]) -> bool:
+    """Apply one log entry (kept form) at position `at`: a prompt's outcome goes to `entries`; a rollout's turn
+    (`turn` k) adds its records to the conversation's `turns` while it goes on, and the conversation moves to
+    `entries` with every turn's records once it ends (`ended`, or a rejection). A `discard` voids the prompt, or
+    a rollout's turns from k on. False for a turn that does not follow the conversation's last (not applied).
+    """
+    if "turn" not in entry:
+        if "discard" in entry:
+            entries.pop(at, None)
+        else:
+            entries[at] = entry
+        return True
+    turn = entry["turn"]
+    kept = turns.pop(at, None)
+    if kept is None:
+        kept = entries.pop(at, {}).get("lines", [])
+    if "discard" in entry:
+        if kept[:turn]:
+            turns[at] = kept[:turn]
+        return True
+    if turn != len(kept):
+        turns[at] = kept
+        return False
+    kept = kept + entry.get("lines", [])
+    if "ended" in entry or "rejected" in entry:
+        outcome = {key: value for key, value in entry.items() if key not in ("turn", "lines", "ended")}
+        entries[at] = {**outcome, "lines": kept}
+    else:
+        turns[at] = kept
+    return True
 
 
 def read_log_lines(path: Path) -> list[str]:
@@ -204,6 +282,7 @@ class Replay:
     run_id: str
     positions: Callable[[], dict[str, int]]  # prompt id to position, read only if the prompt shard changed
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
+    turns: dict[int, list[str]] = field(default_factory=dict)  # records of rollouts still going on, per position
     dropped: int = 0  # entries whose prompt is no longer in the shard
 
     def apply(self, lines: list[str], source: str) -> bool:
@@ -227,10 +306,8 @@ class Replay:
             at = entry["position"] if same_prompts else self.positions().get(entry["id"])
             if at is None:
                 self.dropped += "discard" not in entry
-            elif "discard" in entry:
-                self.entries.pop(at, None)
             else:
-                self.entries[at] = {**kept_form(entry), "position": at}
+                place(self.entries, self.turns, at, {**kept_form(entry), "position": at})
         return True
 
 
@@ -247,6 +324,7 @@ class ShardState:
     log_path: Path
     header: str  # `log_header`: the first line of this attempt's part of the log, and of each segment
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
+    turns: dict[int, list[str]] = field(default_factory=dict)  # records of rollouts still going on, per position
     log: IO[str] | None = None
     spill: Callable[[str, list[str]], None] | None = None
     segments: int = 0
@@ -254,20 +332,18 @@ class ShardState:
     spilled_at: float = field(default_factory=time.monotonic)
 
     def append(self, prompt: Prompt, **outcome: Any) -> None:
-        """Log how `prompt` ended: `records`, `rejected` or `discard`; the entry carries the prompt's own id and
-        position, so it can never be placed at another prompt's."""
+        """Log how `prompt` ended: `records`, `rejected` or `discard` (and a rollout's `turn`, `ended`); the entry
+        carries the prompt's own id and position, so it can never be placed at another prompt's."""
         if self.log is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log = self.log_path.open("a", encoding="utf-8")
             self.log.write(self.header + "\n")
-        entry = kept_form({"id": prompt.record_id, "position": prompt.position, **outcome})
+        entry = kept_form({"id": prompt.record_id, "position": prompt.position, **prompt.turn_fields(), **outcome})
         line = log_line(entry)
         self.log.write(line + "\n")
         self.log.flush()
-        if "discard" in entry:
-            self.entries.pop(prompt.position, None)
-        else:
-            self.entries[prompt.position] = entry
+        placed = place(self.entries, self.turns, prompt.position, entry)
+        assert placed, f"turn {entry.get('turn')} of {prompt.record_id} does not follow its conversation's last"
         if self.spill is not None:
             self.pending.append(line)
             if len(self.pending) >= SEGMENT_RECORDS or time.monotonic() - self.spilled_at >= SEGMENT_EVERY_S:
@@ -321,7 +397,7 @@ def resume_shard(store: RunStore, prompts: ShardRef, run_id: str, spill: Callabl
         log.warning("shard %05d: %d answers dropped, their prompts are no longer in the shard (the prompts "
                     "changed since they were logged): they are asked again where they are now",
                     prompts.index, replay.dropped)
-    state.entries = replay.entries
+    state.entries, state.turns = replay.entries, replay.turns
     return state
 
 
@@ -368,9 +444,9 @@ def finished_shard(
             entries.setdefault(at, {"position": at, "lines": []})["lines"].append(line)
     rejected = rejected_path("generations", index)
     for row in store.read_jsonl(rejected) if store.exists(rejected) else []:
-        at = position.get(row["id"])
-        if at is not None:
-            entries[at] = {"position": at, "rejected": row}
+        at = position.get(prompt_id_of(row["id"]))
+        if at is not None:  # a rollout's rejected turn ends its conversation: the turns before it stay
+            entries.setdefault(at, {"position": at})["rejected"] = row
     return ShardRef("generations", index, path, data.count(b"\n"), sha256_hex(data)), entries
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import random
 import selectors
 import time
@@ -44,6 +45,7 @@ from tasks.generation.records import (
     new_records,
     pin_settings,
     resume_shard,
+    rollout_prompt,
 )
 
 
@@ -187,10 +189,21 @@ class GenerationScheduler:
             self._read_ahead()
 
     def _unanswered(self, ref: ShardRef) -> list[Prompt]:
-        seed_base, done = self.settings.generation.seed, self.states[ref.index].entries
-        return [Prompt(ref.index, position, prompt["id"], prompt["messages"],
-                       None if seed_base is None else seed_base + prompt["row"], self.settings.mode_of(prompt["id"]))
-                for position, prompt in enumerate(self.store.read_shard_records(ref)) if position not in done]
+        """A shard's prompts not yet answered; a rollout goes on at its next turn, on the answers it has."""
+        seed_base, state = self.settings.generation.seed, self.states[ref.index]
+        prompts = []
+        for position, prompt in enumerate(self.store.read_shard_records(ref)):
+            if position in state.entries:
+                continue
+            seed = None if seed_base is None else seed_base + prompt["row"]
+            mode = self.settings.mode_of(prompt["id"])
+            if "turns" not in prompt:
+                prompts.append(Prompt(ref.index, position, prompt["id"], prompt["messages"], seed, mode))
+                continue
+            answers = tuple(json.loads(line)["content"] for line in state.turns.get(position, []))
+            prompts.append(rollout_prompt(ref.index, position, prompt["id"], prompt["messages"], answers, seed, mode))
+            self.total += prompt["turns"] - len(answers) - 1  # `plan` counted one prompt per conversation
+        return prompts
 
     async def _run(self, prompt_shards: list[ShardRef], clock: StallClock) -> list[ShardRef]:
         self.plan(prompt_shards)
@@ -250,8 +263,8 @@ class GenerationScheduler:
         endpoint that was dropped start another round. Once every prompt has ended, the refusals still held are
         their prompts' own: no endpoint refused them all."""
         while await self._start_requests():
-            while self._requests:
-                await asyncio.wait(set(self._requests))
+            while self._requests and not self.queue:  # a rollout's next turn starts as soon as it is queued
+                await asyncio.wait(set(self._requests), return_when=asyncio.FIRST_COMPLETED)
             if self.probation.error is not None or self.pool.gave_up is not None:
                 return
             if not self.queue:
@@ -314,7 +327,13 @@ class GenerationScheduler:
             return
         keep = self.probation.observe(outcome)
         if outcome.completions and keep:
-            self.states[prompt.shard].append(prompt, records=new_records(prompt, outcome.completions))
+            records = new_records(prompt, outcome.completions)
+            if prompt.continues:  # first in line: conversations under way end before new ones start
+                self.states[prompt.shard].append(prompt, records=records)
+                self.queue.appendleft(prompt.next_turn(outcome.completions[0].content))
+            else:
+                self.states[prompt.shard].append(prompt, records=records,
+                                                 **({"ended": "complete"} if prompt.rollout else {}))
             self.counts.accepted += 1
             self.counts.tokens += int(outcome.completions[0].usage.get("completion_tokens") or 0)
             self._cleared += self._held.answered(outcome.endpoint, outcome.sent)
@@ -324,6 +343,7 @@ class GenerationScheduler:
                 self._drop(outcome.endpoint, repeated_refusal(outcome.refusal))
         elif not outcome.completions:
             self.counts.failed += 1
+            self._not_going_on(prompt)
         if self.probation.refusals_in_line:
             self._reject_cleared()
         if self.probation.error is not None:
@@ -337,9 +357,16 @@ class GenerationScheduler:
             self.states[prompt.shard].append(prompt, rejected={"id": prompt.record_id, "stage": "generations",
                                                                "reason": reason})
             self.counts.rejected += 1
+            self._not_going_on(prompt)
             if self.probation.passed and self.probation.error is None:
                 self._after_pass(prompt)
         self._cleared = []
+
+    def _not_going_on(self, prompt: Prompt) -> None:
+        """A rollout's turn ended its conversation (refused) or stopped it in this attempt (failed): its later
+        turns are not asked."""
+        if prompt.rollout is not None:
+            self.total -= prompt.rollout.turns - prompt.rollout.turn - 1
 
     def _drop(self, endpoint: str, cause: str) -> None:
         """Send nothing more to an endpoint that refuses every request; the prompts whose refusals it holds are
@@ -436,7 +463,8 @@ class GenerationScheduler:
             except BaseException:  # cancelled: the slot goes back without a verdict on the endpoint
                 self.pool.give_back(endpoint, trial)
                 raise
-            carry_on = self.probation.passed and self.probation.error is None and bool(self.queue)
+            carry_on = self.probation.passed and self.probation.error is None and (bool(self.queue) or
+                                                                                   prompt.continues)
             kept = self.pool.release(endpoint, trial, None, carry_on)
             return Outcome(endpoint.url, completions=completions, mode=prompt.mode, sent=sent), slot if kept else None
 
@@ -499,7 +527,7 @@ class GenerationScheduler:
         again and judged: an answer is kept only once the window passed."""
         for prompt in self._window:
             state = self.states.get(prompt.shard)
-            if state is not None and prompt.position in state.entries:
+            if state is not None and (prompt.position in state.entries or prompt.position in state.turns):
                 state.append(prompt, discard="early abort window")
 
     async def _shut_down(self) -> None:

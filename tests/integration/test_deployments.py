@@ -237,10 +237,20 @@ def test_outputs_stay_a_relative_output_is_refused_at_submit_and_by_the_run(
         assert server.log.requests == 0
 
 
-def _log_lines(env: dict[str, str], flow_run_id: str) -> list[str]:
-    """The flow run's log lines as the UI's Logs tab reads them."""
-    logs = _api(env, "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200})
-    return [line for log in logs for line in log["message"].splitlines()]
+def _log_lines(env: dict[str, str], flow_run_id: str, awaited: str, timeout_s: float = 60) -> list[str]:
+    """The flow run's log lines as the UI's Logs tab reads them, once the awaited text is there.
+
+    Prefect ships log lines in batches after the run's state is set, so a run can read Failed before its lines
+    arrive; a line still missing at the deadline is a failure.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        logs = _api(env, "POST", "/logs/filter",
+                    json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200})
+        lines = [line for log in logs for line in log["message"].splitlines()]
+        if any(awaited in line for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(1)
 
 
 def test_a_dead_server_fails_the_run_in_seconds_with_one_line_in_the_ui_and_no_traceback(
@@ -252,7 +262,7 @@ def test_a_dead_server_fails_the_run_in_seconds_with_one_line_in_the_ui_and_no_t
     assert f"nothing listens at {dead} (connection refused for" in ended["state"]["message"]
     took = datetime.fromisoformat(ended["end_time"]) - datetime.fromisoformat(ended["start_time"])
     assert took.total_seconds() < 120, "refused is not starting: no wait for server.startup_timeout_s"
-    lines = _log_lines(prefect_env, run["id"])
+    lines = _log_lines(prefect_env, run["id"], awaited=f"nothing listens at {dead}")
     assert any(f"waiting for {dead} to start: the port refuses connections" in line for line in lines), lines
     assert any(f"nothing listens at {dead}" in line for line in lines), lines
     assert not [line for line in lines if "Traceback" in line], lines
@@ -266,13 +276,13 @@ def test_a_known_error_reaches_the_ui_logs_as_one_line_without_a_traceback(
     assert _final_state(prefect_env, run["id"]) == "FAILED", worker.read_text()[-3000:]
     message = _api(prefect_env, "GET", f"/flow_runs/{run['id']}")["state"]["message"]
     assert "absent.jsonl" in message
-    lines = _log_lines(prefect_env, run["id"])
+    lines = _log_lines(prefect_env, run["id"], awaited="absent.jsonl")
     assert any("absent.jsonl" in line for line in lines), lines
     assert not [line for line in lines if "Traceback" in line or line.startswith("  File ")], lines
     # the same in a flow that fails before it reaches the pipeline: a run folder that does not exist
     rerun = _start(prefect_env, "rerun-failed", {"run": str(tmp_path / "never-ran")})
     assert _final_state(prefect_env, rerun["id"]) == "FAILED", worker.read_text()[-3000:]
-    lines = _log_lines(prefect_env, rerun["id"])
+    lines = _log_lines(prefect_env, rerun["id"], awaited="never-ran")
     assert any("never-ran" in line for line in lines), lines
     assert not [line for line in lines if "Traceback" in line or line.startswith("  File ")], lines
 
