@@ -55,7 +55,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     result = verify_run(RunStore.at(args.run))
     print(f"rows {result.rows}: {result.rows - result.rejected_rows} gave prompts, {result.rejected_rows} rejected")
     print(f"prompts {result.prompts} = accepted {result.accepted} + rejected {result.rejected} + quarantined "
-          f"{result.quarantined} + pending {result.pending}")
+          f"{result.quarantined} + pending {result.pending}; {result.samples} training samples")
     for missing in result.missing[:MAX_LISTED]:
         print(f"missing: {missing}")
     if len(result.missing) > MAX_LISTED:

@@ -25,6 +25,7 @@ from eagle3_datagen.artifacts import (
     sha256_hex,
     shard_name,
 )
+from eagle3_datagen.conversations import turn_id, turn_messages
 from eagle3_datagen.hidden_state_format import HiddenStatesError, read_final_norm, read_hidden_state_shard
 from eagle3_datagen.storage import RunStore
 
@@ -37,7 +38,8 @@ class Verification:
     cause: str | None = None
     rows: int = 0
     rejected_rows: int = 0  # by the prompt stage, each with its reason
-    prompts: int = 0  # one per accepted row, or one per user turn of it (data.turns: each)
+    prompts: int = 0  # one per accepted row, one per user turn of it (data.turns: each), one per conversation
+    samples: int = 0  # training samples: one per prompt, or per sample (n > 1), or per turn of a rollout
     accepted: int = 0
     rejected: int = 0  # prompts refused by the server or dropped by the length policy, with reasons
     quarantined: int = 0
@@ -138,10 +140,16 @@ def _verify_shard(store: RunStore, index: int, recorded: dict[str, Any], hidden:
         result.pending += len(prompt_ids)
         return rows
     generated = {prompt_id_of(i) for i in _ids_of_jsonl(store, generations)}
-    gen_rejected = _ids_of_jsonl(store, rejected_path("generations", index))
-    result.rejected += len(gen_rejected)
-    if sorted(generated | set(gen_rejected)) != sorted(prompt_ids) or generated & set(gen_rejected):
+    gen_rejected = [prompt_id_of(i) for i in _ids_of_jsonl(store, rejected_path("generations", index))]
+    rollout = bool(prompts) and "turns" in prompts[0]
+    result.rejected += len(set(gen_rejected) - generated) if rollout else len(gen_rejected)
+    if sorted(generated | set(gen_rejected)) != sorted(prompt_ids) or (generated & set(gen_rejected)
+                                                                        and not rollout):
         problems.append(f"{name} generations: prompts and generated + rejected ids differ")
+    if rollout:
+        problems += _transcript_problems(name, prompts, store.read_jsonl(generations),
+                                         store.read_jsonl(rejected_path("generations", index))
+                                         if gen_rejected else [])
     validation = artifact_path("validation", index)
     if not store.exists(validation):
         _mark_missing(result, index, validation)
@@ -178,7 +186,35 @@ def _verify_shard(store: RunStore, index: int, recorded: dict[str, Any], hidden:
         if sorted(final_ids) != sorted(seq_ids):
             problems.append(f"{name} hidden_states: samples differ from the sequences")
     result.accepted += len({prompt_id_of(i) for i in final_ids})
+    result.samples += len(final_ids)
     return rows
+
+
+def _transcript_problems(name: str, prompts: list[dict[str, Any]], records: list[dict[str, Any]],
+                         rejected: list[dict[str, Any]]) -> list[str]:
+    """A rollout's kept turns are its turns 0..k-1, each asked on the answers before it, and the conversation
+    either has every turn or ends with a rejected turn k, with its reason."""
+    turns: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        turns.setdefault(prompt_id_of(record["id"]), []).append(record)
+    ended = {prompt_id_of(row["id"]): row["id"] for row in rejected}
+    problems = []
+    for prompt in prompts:
+        kept = sorted(turns.get(prompt["id"], []), key=lambda record: record["turn"])
+        if [record["turn"] for record in kept] != list(range(len(kept))):
+            problems.append(f"{name} generations: conversation {prompt['id']} does not keep turns 0..k in order")
+            continue
+        for record in kept:
+            answers = [earlier["content"] for earlier in kept[: record["turn"]]]
+            if record["messages"] != turn_messages(prompt["messages"], answers):
+                problems.append(f"{name} generations: {record['id']} was not asked on the turns before it")
+        end = ended.get(prompt["id"])
+        if end is not None and end != turn_id(prompt["id"], len(kept)):
+            problems.append(f"{name} generations: {end} is rejected but {len(kept)} turns are kept")
+        elif end is None and len(kept) != prompt["turns"]:
+            problems.append(f"{name} generations: conversation {prompt['id']} ends after {len(kept)} of its "
+                            f"{prompt['turns']} turns without a reason")
+    return problems
 
 
 def rerun_plan(result: Verification, redo_quarantined: bool) -> str:

@@ -26,11 +26,13 @@ from cli.main import main
 from cli.runner import run_pipeline
 from eagle3_datagen.config import PipelineConfig, parse_config
 from eagle3_datagen.errors import UserError
+from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.processes import as_from_a_terminal
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from eagle3_datagen.think_tokens import load_tokenizer
 from tasks.export import export_run
 from tasks.health import ServerCheckFailed
+from tasks.verify import verify_run
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -133,6 +135,32 @@ def test_a_mixed_run_records_and_reports_each_mode(tiny_model: Path, server: Scr
         run_pipeline(config(tiny_model, server.url, tmp_path, generation__modes=other, sequences__cross_check_rate=1.0))
     assert server.log.requests == requests
     assert "generated with other settings" in json.loads((run / "manifest.json").read_text())["cause"]
+
+
+def test_a_rollout_regenerates_each_turn_on_its_own_answers_through_every_stage(
+        tiny_model: Path, server: ScriptedServer, tmp_path: Path) -> None:
+    """Every turn of a conversation is a sample of exact ids, asked on the answers before it; verify accounts for
+    conversations, turns and samples, and the trainers' export holds every turn."""
+    mix = [{"mode": "thinking", "weight": 0.5}, {"mode": "instant", "weight": 0.5}]
+    run_pipeline(config(tiny_model, server.url, tmp_path, data__turns="rollout", data__limit=40,
+                        generation__modes=mix, sequences__cross_check_rate=1.0))
+    run = tmp_path / "flow"
+    assert json.loads((run / "manifest.json").read_text())["status"] == "completed"
+    verification = verify_run(RunStore.at(str(run)))
+    assert verification.complete, verification.problems
+    records = [json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
+               for line in f.read_text().splitlines()]
+    assert verification.prompts == 40 and verification.samples == len(records) == 42, "two rows of two turns"
+    second_turns = [r for r in records if r["turn"] == 1]
+    for second in second_turns:
+        first = next(r for r in records if r["id"] == second["id"].replace(":turn1", ":turn0"))
+        assert second["messages"][-2] == {"role": "assistant", "content": first["content"]}
+        assert second.get("mode") == first.get("mode"), "a conversation keeps its mode"
+    sequences = [row for f in sorted((run / "sequences").glob("shard-*.parquet"))
+                 for row in pq.read_table(f).to_pylist()]
+    assert len(second_turns) == 2 and all(row["agrees"] for row in sequences)
+    assert sorted(row["id"] for row in sequences) == sorted(r["id"] for r in records)
+    assert export_run(str(run), "speculators")["num_samples"] == 42
 
 
 def test_changing_a_later_stage_reruns_only_that_stage(tiny_model: Path, server: ScriptedServer,
