@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
-from cli.demo import demo_config
+from cli.demo import demo_config, demo_questions
 from cli.runner import run_pipeline
 from eagle3_datagen.config import PipelineConfig, SequencesConfig, parse_config
 from eagle3_datagen.profiles import BUILTIN_PROFILES
@@ -174,3 +174,39 @@ def test_a_qwen3_thinking_and_instant_mix_is_exact_in_each_mode(tiny_model: Path
         else:
             assert completion.count(end) <= 1 and record["reasoning"]
     assert sum(row["agrees"] is True for row in rows) >= 0.9 * len(rows), "the rebuild path is exercised in full"
+
+
+def test_a_rollout_asks_each_turn_on_the_models_own_earlier_answers(
+        tiny_model: Path, vllm_server: LocalVLLMServer, tmp_path: Path) -> None:
+    """Three-turn conversations of questions the tiny model knows: turn k's prompt ids, as vLLM rendered them,
+    hold the model's own answer to turn k-1 (never the dataset's), and every kept sample is the server's ids."""
+    questions = [json.loads(line)["conversations"][-1]["value"]
+                 for line in demo_questions().read_text().splitlines()[:12]]
+    rows = [{"messages": [message for q in questions[i:i + 3] for message in (
+        {"role": "user", "content": q}, {"role": "assistant", "content": "the dataset's answer"})]}
+        for i in range(0, 12, 3)]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = served_config(tiny_model, vllm_server, tmp_path, sequences=EVERY_SAMPLE_CROSS_CHECKED,
+                           data={"source": str(data), "shard_size": 2, "turns": "rollout"})
+    run_pipeline(config)
+    run = tmp_path / "demo"
+    assert json.loads((run / "manifest.json").read_text())["status"] == "completed"
+    records = {json.loads(line)["id"]: json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
+               for line in f.read_text().splitlines()}
+    assert sorted(r["turn"] for r in records.values()) == [0] * 4 + [1] * 4 + [2] * 4, "every turn of every conversation"
+    tokenizer = load_tokenizer(str(tiny_model))
+    for record in records.values():
+        assert not [m for m in record["messages"] if m["content"] == "the dataset's answer"]
+        if record["turn"]:
+            earlier = records[record["id"].replace(f":turn{record['turn']}", f":turn{record['turn'] - 1}")]
+            seen = tokenizer.decode(record["prompt_token_ids"])
+            assert earlier["content"].strip() in seen, "the server was asked on the model's own answer"
+            if earlier["reasoning"].strip() and earlier["reasoning"].strip() not in earlier["content"]:
+                assert earlier["reasoning"].strip() not in seen, "history carries the answer, not its reasoning"
+    rows = [row for f in sorted((run / "sequences").glob("shard-*.parquet")) for row in pq.read_table(f).to_pylist()]
+    assert len(rows) == 12
+    for row in rows:
+        record = records[row["id"]]
+        assert row["source"] == "server"
+        assert row["input_ids"] == record["prompt_token_ids"] + record["completion_token_ids"]
