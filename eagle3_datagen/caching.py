@@ -2,11 +2,12 @@
 
 Prefect's TASK_SOURCE hashes only the decorated function, not the stage's core functions it calls nor the
 shared plumbing; a fix there would silently keep stale results. `StageCode` hashes the whole stage module and
-the plumbing modules that shape outputs.
+the plumbing modules that shape outputs, as code: docstrings, comments and field descriptions do not count.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import sys
 from dataclasses import dataclass
@@ -28,15 +29,32 @@ def stage_files(module_name: str) -> list[Path]:
     return sorted(file.parent.glob("*.py")) if in_package else [file]
 
 
-@cache
-def code_version(module_name: str) -> str:
-    """sha256 of a stage's source plus the shared modules every stage's output depends on."""
-    package = Path(__file__).resolve().parent
-    files = [*stage_files(module_name), *(package / f"{name}.py" for name in _PLUMBING)]
+# pydantic Field keywords that only document (the deployment form's text): they cannot change an output
+_DOC_KEYWORDS = frozenset({"description", "title", "examples"})
+_SCOPES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def source_digest(files: list[Path]) -> str:
+    """sha256 of the files' code without docstrings, comments and field descriptions: editing what changes no
+    output must not invalidate every cached stage of every run."""
     digest = hashlib.sha256()
     for file in files:
-        digest.update(file.name.encode() + b"\0" + file.read_bytes())
+        tree = ast.parse(file.read_bytes(), filename=str(file))
+        for node in ast.walk(tree):
+            if isinstance(node, _SCOPES) and ast.get_docstring(node, clean=False) is not None:
+                node.body = node.body[1:]
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Field":
+                node.keywords = [keyword for keyword in node.keywords if keyword.arg not in _DOC_KEYWORDS]
+        code = ast.dump(tree, annotate_fields=True, include_attributes=False)
+        digest.update(file.name.encode() + b"\0" + code.encode() + b"\0")
     return digest.hexdigest()
+
+
+@cache
+def code_version(module_name: str) -> str:
+    """The digest of a stage's source plus the shared modules every stage's output depends on."""
+    package = Path(__file__).resolve().parent
+    return source_digest([*stage_files(module_name), *(package / f"{name}.py" for name in _PLUMBING)])
 
 
 @dataclass

@@ -6,9 +6,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
 import tasks.sequences
 import tasks.validation  # noqa: F401
-from eagle3_datagen.caching import code_version, stage_files
+from eagle3_datagen.caching import code_version, source_digest, stage_files
 
 
 def test_a_change_in_a_stage_core_function_changes_the_code_version(tmp_path: Path) -> None:
@@ -36,3 +38,41 @@ def test_a_stage_package_is_hashed_whole() -> None:
     names = {file.name for file in stage_files("tasks.hidden_states.task")}
     assert {"batching.py", "parts.py", "transformers_backend.py", "vllm_backend.py", "task.py"} <= names
     assert [file.name for file in stage_files("tasks.sequences")] == ["sequences.py"]
+
+
+_STAGE = '''"""A stage."""
+from pydantic import BaseModel, Field
+
+LIMIT = 3  # the most
+
+
+class Settings(BaseModel):
+    """Its settings."""
+
+    size: int = Field(default=4, gt=0, description="How many.", title="Size")
+
+
+def core(x):
+    """Adds the limit."""
+    return x + LIMIT
+'''
+
+
+@pytest.mark.parametrize(("old", "new", "same"), [
+    ("# the most", "# the most, reworded", True),
+    ('"""Adds the limit."""', '"""Adds the limit, said otherwise."""', True),
+    ('"""A stage."""', '"""A stage, said otherwise."""', True),
+    ('description="How many."', 'description="How many, said otherwise."', True),
+    ('title="Size"', 'title="Count"', True),
+    ("LIMIT = 3", "LIMIT = 4", False),
+    ("x + LIMIT", "x - LIMIT", False),
+    ("gt=0", "ge=0", False),
+])
+def test_only_a_change_to_the_code_changes_the_digest(tmp_path: Path, old: str, new: str, same: bool) -> None:
+    """A comment, docstring or field description changes no output, so it keeps every cached stage."""
+    before, after = tmp_path / "before" / "stage.py", tmp_path / "after" / "stage.py"
+    for file, text in ((before, _STAGE), (after, _STAGE.replace(old, new))):
+        file.parent.mkdir()
+        file.write_text(text)
+    assert after.read_text() != _STAGE
+    assert (source_digest([before]) == source_digest([after])) is same
