@@ -1,11 +1,11 @@
 """Prefect's local mode, started first: the command's temporary Prefect API boots while the command imports.
 
 Without `PREFECT_API_URL`, Prefect starts a temporary API the first time a flow needs it, after every import, and
-waits for it: on a 2-core machine that put the first request ~12 s after the command started. This starts the
-same server (Prefect's own app, the way Prefect runs it) as the command's first act, in its own process, so it
-boots on the other core while this process imports the pipeline; the flow then finds it ready. Like Prefect's
-own, it is stopped at interpreter exit, after Prefect has flushed its logs and events to it (stopped any
-earlier, the flush waits on a server that is gone), and it dies with the command if that is killed.
+waits for it, so the first request waits for the API's whole start. This starts the same server (Prefect's own app,
+the way Prefect runs it) as the command's first act, in its own process, so it boots on the other core while this
+process imports the pipeline; the flow then finds it ready. Like Prefect's own, it is stopped at interpreter exit,
+after Prefect has flushed its logs and events to it (stopped any earlier, the flush waits on a server that is
+gone), and it dies with the command if that is killed.
 
 Both processes import with the garbage collector paused (`import_uncollected`).
 """
@@ -35,8 +35,8 @@ def import_uncollected(*modules: str) -> None:
     """Import with the cyclic garbage collector paused, then freeze what the imports built.
 
     Prefect, transformers and torch build millions of objects that live as long as the process; the collector
-    walking them over and over during the imports was a third of their time (importing the pipeline: 4.6-5.1 s
-    paused against 6.3-7.3 s). Frozen, they are skipped by every later full collection too.
+    walking them over and over during the imports is a large share of their time. Frozen, they are skipped by
+    every later full collection too.
     """
     gc.disable()
     try:

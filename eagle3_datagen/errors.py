@@ -88,7 +88,7 @@ class OneLineFormatter(logging.Formatter):
 
 def user_errors_one_line_in_the_ui() -> None:
     """Prefect's log stream to its API (the UI's Logs tab) gets a user error as one line, as the console does: the
-    state message already says the fix, and ~80 lines of Prefect's own frames bury it. Bugs keep their traceback."""
+    state message already says the fix, and Prefect's own frames bury it. Bugs keep their traceback."""
     from prefect.logging.handlers import APILogHandler
 
     for name in ("prefect.flow_runs", "prefect.task_runs"):

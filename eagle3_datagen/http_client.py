@@ -1,10 +1,7 @@
 """HTTP/1.1 to one server over keep-alive connections, parsed in C (httptools): the OpenAI-protocol client's transport.
 
-Why not aiohttp: its per-request work in Python is most of what a generation client spends CPU on. Measured at 64
-in flight, reading reasoning and token ids: against a server answering in ~500 ms, where each answer wakes the
-event loop by itself, aiohttp took 0.53-0.68 ms of CPU per request and this 0.28-0.42 ms (1.6-1.9×); answered at
-once, 0.18-0.21 ms and 0.07-0.11 ms (1.8-2.4×; two runs of `benchmarks/generation_utilization.py --phases
-clients`).
+Why not aiohttp: its per-request work in Python is most of what a generation client spends CPU on
+(`benchmarks/generation_utilization.py --phases clients` compares the two).
 
 It does only what the client needs: one server, whole bodies framed by Content-Length or chunked encoding, no
 redirects, cookies, proxies or compression. Concurrency is bounded by the caller (the in-flight budget): one
@@ -111,9 +108,8 @@ class _Connection(asyncio.Protocol):
 
 
 class _Deadlines:
-    """Times out exchanges still waiting at their deadline, with one timer per DEADLINE_GRAIN_S of deadlines: a
-    timer per request (asyncio.timeout: a handle pushed on the loop's heap, then cancelled) was an eighth of the
-    generation stage's Python calls per request (profiled at zero server latency)."""
+    """Times out exchanges still waiting at their deadline with one timer per DEADLINE_GRAIN_S of deadlines, not one
+    per request (asyncio.timeout: a handle pushed on the loop's heap, then cancelled, a large share of its calls)."""
 
     def __init__(self) -> None:
         self._buckets: dict[int, tuple[asyncio.TimerHandle, set[_Connection]]] = {}

@@ -60,7 +60,7 @@ class ModelProfile(BaseModel):
 
     @model_serializer(mode="wrap")
     def _without_empty_modes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A profile without `modes` dumps as before modes existed: runs recorded then keep their fingerprints."""
+        """Leaves an unset `modes` out of the dump: fingerprints recorded without the field stay valid."""
         dumped: dict[str, Any] = handler(self)
         if not self.modes:
             dumped.pop("modes", None)

@@ -1,9 +1,7 @@
 """The OpenAI-protocol client: request bodies, response shapes, and reading reasoning from every form servers send.
 
-Plain HTTP (`http_client`), not the OpenAI SDK: a fifth of the SDK's CPU per request or less, measured (see
-`OpenAIClient`). Bodies and answers go through orjson (installed with Prefect): with the json module the command's
-CPU per request at the 500 ms setting of `benchmarks/generation_utilization.py` was 0.58-0.60 ms, with orjson
-0.46-0.52 (three runs each, interleaved).
+Plain HTTP (`http_client`), not the OpenAI SDK, and orjson (installed with Prefect), not the json module: both
+for the client's CPU per request (figures in benchmarks/README.md).
 Responses are read here in every form servers send: the reasoning field has had three names (`reasoning`,
 `reasoning_content`, inline `<think>` tags).
 """
@@ -215,11 +213,8 @@ def api_key(server: ServerConfig) -> str | None:
 class OpenAIClient:
     """A small async client for one vLLM endpoint; the API key comes from the environment only.
 
-    Not the openai SDK, because of its cost per request: at 64 in flight, reading reasoning and token ids, the SDK
-    spends 12-14× (its aiohttp transport) to 20-25× (its default httpx one) the CPU of this client against a
-    server that answers at once, 5-7× to 7-8× against one answering in ~500 ms (1.1-2.8 ms per request; two runs
-    of `benchmarks/generation_utilization.py --phases clients`). At a thousand requests a second the SDK alone
-    would need a core or two. The body is plain JSON: vLLM's extra fields need no `extra_body`.
+    Not the openai SDK: its CPU per request is several times this client's, which would bound how many requests
+    one process keeps in flight. The body is plain JSON: vLLM's extra fields need no `extra_body`.
     """
 
     def __init__(self, base_url: str, api_key: str | None, timeout_s: float) -> None:

@@ -69,7 +69,7 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[l
     """Token ids of many texts, without added special tokens, the same ids as `tokenizer(texts)`.
 
     Why: the Rust backend's `encode_batch_fast` skips the character offsets and the Python-side conversion that
-    `tokenizer(texts)` builds, a third of the sequences stage's time (benchmarks/sequences_throughput.py).
+    `tokenizer(texts)` builds and the stage never reads (benchmarks/sequences_throughput.py times both).
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:  # a tokenizer without a Rust backend

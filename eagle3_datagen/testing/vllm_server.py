@@ -90,9 +90,7 @@ class LocalVLLMServer:
         os.makedirs(self._scratch, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # A process group of its own, for stop() to signal, but in the caller's session: under the kernel's
-        # autogroup scheduling each session is a scheduling group, and on 2 cores a client outside vLLM's group
-        # (whose engine busy-polls) sat ready to run and unrun for up to 5.4 s, in 2 of 8 `auto` runs; in one
-        # group, in none of 8
+        # autogroup scheduling a client outside the busy-polling engine's group can wait seconds to run
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, env=env, process_group=0)

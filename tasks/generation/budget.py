@@ -3,14 +3,11 @@
 The budget grows while few requests wait in the server's queue and its KV cache has room, and shrinks to what the
 server runs plus a queue when more than that waits or the cache is full. The queue, half the budget, is what keeps
 the engine fed: a finished request is replaced from it at once, while its successor is still on its way through the
-client and the server's front end. On the vLLM CPU server, whose front end shares the cores, a queue of a sixteenth
-gave 0.85x the throughput of a fixed budget of twice what the server runs; against the best fixed budget, a quarter
-gave 0.92x and half 0.94x to 1.00x over three runs (`benchmarks/generation_utilization.py --phases auto`), and half
-1.01x to 1.03x once the kernel no longer scheduled vLLM in a group apart from the client
-(eagle3_datagen/testing/vllm_server.py). Waiting requests hold no KV cache, so a deep queue costs the server
+client and the server's front end; shorter queues lost throughput (benchmarks/README.md,
+`generation_utilization.py --phases auto`). Waiting requests hold no KV cache, so a deep queue costs the server
 nothing. As in TCP, the budget doubles until the server first pushes back, then grows by a sixteenth, so it stays
-near the server's limit instead of swinging around it. A fixed budget is either too small for a big server or a long
-queue on a small one; this one keeps every endpoint just saturated whatever its size.
+near the server's limit instead of swinging around it. A fixed budget is either too small for a big server or a
+long queue on a small one; this one keeps every endpoint just saturated whatever its size.
 """
 
 from __future__ import annotations
@@ -24,9 +21,9 @@ from tasks.generation.pool import Endpoint, EndpointPool
 AUTO_START = 32  # the first budget of an endpoint under `auto`
 AUTO_CAP = 1024  # never more in flight to one endpoint
 FOLLOW_EVERY_S = 0.5  # between readings after the budget changed
-RAMP_EVERY_S = 0.1  # between readings while the budget climbs from its start: 32 to 256 in 0.4-1.1 s, not 1.5 s
-SETTLED_EVERY_S = 2.0  # at most between readings while the budget stays put: each reading costs a loaded vLLM front
-# end ~15 ms of CPU (1.5 % of a 2-core CPU server's throughput at two readings a second)
+RAMP_EVERY_S = 0.1  # between readings while the budget climbs from its start, so a big server fills quickly
+SETTLED_EVERY_S = 2.0  # at most between readings while the budget stays put: a reading costs a loaded vLLM front end
+# CPU that its engine would otherwise use
 KV_CACHE_FULL = 0.95  # share of the KV cache in use past which the server preempts
 KV_CACHE_ROOM = 0.85  # below this share there is room for more requests
 QUEUE_SHARE = 2  # up to half the budget may wait in the server's queue; it grows while a quarter or less waits
@@ -40,15 +37,12 @@ def next_limit(limit: int, peak_in_flight: int, load: ServerLoad, pushed_back: b
     cache = load.kv_cache_usage
     if load.waiting > queue or (cache is not None and cache >= KV_CACHE_FULL):
         return max(1, min(limit, int(load.running) + queue))
-    # the server counts at least half of what was sent: its HTTP front end is not still reading a burst (growing
-    # then only piles up more). Not all of it: requests in pre- and post-processing are counted nowhere, and a
-    # CPU server with 32 in flight counted 3 to 31 of them for 3 s, holding the budget at its start meanwhile.
-    # Right after a growth, three quarters: a CPU server that runs 128 at most, read 0.4 s after its budget went
-    # to 256, counted 128 running and 1 waiting while its front end was still reading the rest of the burst
+    # the server counts at least half of what was sent (three quarters right after a growth, when its front end may
+    # still be reading the burst): growing while it reads only piles up more. Not all of it: requests in pre- and
+    # post-processing are counted nowhere
     taken_in = load.running + load.waiting >= (3 * limit // 4 if just_grown else limit // 2)
     # requests wait in vLLM's queue only for a step or two while it has room; if they wait while it runs half the
-    # budget or less, it is full, and the budget is already what it runs plus a queue as long (a CPU server that
-    # runs 128 at most was read with 128 running and 30 waiting while still reading a burst of 256)
+    # budget or less, it is full, and the budget is already what it runs plus a queue as long
     few_wait = load.waiting <= queue // QUEUE_SHARE and (load.waiting == 0 or 2 * load.running > limit)
     if few_wait and (cache is None or cache < KV_CACHE_ROOM) and peak_in_flight >= limit and taken_in:
         return min(AUTO_CAP, limit + max(1, limit // 16) if pushed_back else 2 * limit)

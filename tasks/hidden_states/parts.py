@@ -41,7 +41,7 @@ class TokenSequence:
     id: str
     input_ids: torch.Tensor  # [t] int32
     loss_mask: torch.Tensor  # [t] uint8
-    mode: str | None = None  # the mode its prompt was asked in; None in sequences written before modes
+    mode: str | None = None  # the mode its prompt was asked in; None in sequences without a mode column
 
 def read_sequences(store: RunStore, ref: ShardRef, vocab_size: int) -> list[TokenSequence]:
     """The sequences shard (checksum checked), and what would break a forward pass or the index (ids, lengths,
@@ -81,9 +81,9 @@ class _PartWriter:
     """Buffers samples and writes a part as soon as it holds part_size_bytes, so a shard never sits in memory.
 
     A part is checked, encoded, hashed and written on a thread of its own while the next one fills: hashing and
-    writing release the GIL, and on a GPU, done in line with the forward passes, they made the stage 5 to 20 times
-    slower than them. One part at a time, so at most two are in memory. Under fp8 it keeps every stored row's
-    cosine to the model-dtype row (4 floats per token) for the index.
+    writing release the GIL, so on a GPU they overlap the forward passes instead of adding to them. One part at a
+    time, so at most two are in memory. Under fp8 it keeps every stored row's cosine to the model-dtype row (4
+    floats per token) for the index.
     """
 
     def __init__(self, store: RunStore, folder: str, part_size_bytes: int, metadata: dict[str, str],
