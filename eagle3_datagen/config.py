@@ -222,7 +222,7 @@ class GenerationConfig(_Section):
 
     @model_serializer(mode="wrap")
     def _without_unset_modes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A config without a mix dumps as before mixes existed: runs recorded then keep their fingerprints."""
+        """A config without a mix dumps without `modes`, so its fingerprint does not depend on the field."""
         dumped: dict[str, Any] = handler(self)
         if self.modes is None:
             dumped.pop("modes", None)
@@ -344,7 +344,7 @@ class HiddenStatesConfig(_Section):
     compression: Compression = Field(
         default="none",
         description="How the stored states are encoded (ids and loss mask always exact; readers decode to the "
-        "model dtype): `none`; `zstd` lossless, about 1.4-1.7x smaller in bf16; `fp8` float8 e4m3 with a scale per "
+        "model dtype): `none`; `zstd` lossless; `fp8` float8 e4m3 with a scale per "
         "token and layer, about half of bf16, lossy: the shard index records each row's cosine to the original "
         "(min, p1, p50, rows under 0.999).",
     )

@@ -64,7 +64,7 @@ class GenerationSettings:
 
     def mode_of(self, prompt_id: str) -> str | None:
         """The mode a prompt is asked in; None without `generation.modes` (the default mode, not recorded, so
-        records stay as they were before mixes existed)."""
+        records of a run without a mix carry no mode)."""
         if self.generation.modes is None:
             return None
         return assign_mode(prompt_id, self.generation.mode_mix(self.profile))
@@ -74,7 +74,7 @@ def pin_settings(store: RunStore, settings: GenerationSettings) -> tuple[str, bo
     """The run id a run's generations are pinned to, and whether this call pinned them (a fresh run).
 
     Called before any request, so no answer is ever kept under settings other than the recorded ones; a run
-    pinned to other settings is refused. A run pinned by an older version gets its run id now.
+    pinned to other settings is refused; one pinned without a run id gets one now.
     """
     pinned = store.read_json(SETTINGS_FILE) if store.exists(SETTINGS_FILE) else None
     if pinned is not None and pinned["fingerprint"] != settings.fingerprint():
@@ -206,8 +206,7 @@ def log_header(run_id: str, prompts: ShardRef) -> str:
 def kept_form(entry: dict[str, Any]) -> dict[str, Any]:
     """An entry as a shard in flight keeps it: its records as their JSON lines, the shard file's own bytes.
 
-    Why: a record's token ids as Python ints take about six times their text; a shard of long reasoning kept
-    parsed until it is written cost hundreds of MiB per shard in flight.
+    Why: token ids as Python ints take several times their text, and a shard in flight holds long reasoning.
     """
     if "records" not in entry:
         return entry

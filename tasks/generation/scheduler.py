@@ -53,8 +53,8 @@ class StallClock(selectors.DefaultSelector):
     """The stage's event-loop selector, which also times the loop's work between two polls: the longest such
     stretch is the longest time every request in flight waited on this process.
 
-    Why not a ticker: on a VM each wake-up of an idle loop costs ~0.2 ms of CPU, so a 10 ms ticker took ~40 % of
-    the client's CPU at 100 requests/s. This costs two clock reads per loop turn and never wakes the loop.
+    Why not a ticker: every wake-up of an idle loop costs CPU the client needs; this costs two clock reads per
+    loop turn and never wakes the loop.
     """
 
     def __init__(self) -> None:
@@ -303,8 +303,7 @@ class GenerationScheduler:
 
     async def _request(self, prompt: Prompt, slot: tuple[Endpoint, bool]) -> None:
         """Ask `prompt`, then the next ones on the same slot while the pool lets it carry on: a request carrying
-        on costs no new task and no turn of the dispatcher (a sixth of the stage's Python calls per request, profiled
-        at zero server latency)."""
+        on costs no new task and no turn of the dispatcher."""
         while True:
             outcome, kept = await self._send(prompt, slot)
             self._keep(prompt, outcome)

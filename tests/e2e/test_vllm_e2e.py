@@ -194,7 +194,7 @@ def test_a_rollout_asks_each_turn_on_the_models_own_earlier_answers(
     assert json.loads((run / "manifest.json").read_text())["status"] == "completed"
     records = {json.loads(line)["id"]: json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
                for line in f.read_text().splitlines()}
-    assert sorted(r["turn"] for r in records.values()) == [0] * 4 + [1] * 4 + [2] * 4, "every turn of every conversation"
+    assert sorted(r["turn"] for r in records.values()) == [0] * 4 + [1] * 4 + [2] * 4, "every turn, once"
     tokenizer = load_tokenizer(str(tiny_model))
     for record in records.values():
         assert not [m for m in record["messages"] if m["content"] == "the dataset's answer"]
