@@ -37,7 +37,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_rerun_failed(args: argparse.Namespace) -> int:
     from eagle3_datagen.storage import RunStore
-    from tasks.report import recorded_config
+    from tasks.run.lifecycle import recorded_config
     from tasks.validation import reopen_quarantined
     from tasks.verify import rerun_plan, verify_run
 

@@ -19,7 +19,7 @@ from tasks.generation import GenerationSettings, generate, generated_shards, unf
 from tasks.health import check_servers
 from tasks.hidden_states import extract_hidden_states
 from tasks.prompts import load_prompts
-from tasks.report import (
+from tasks.run.lifecycle import (
     finish_run,
     record_run_end,
     recorded_config,

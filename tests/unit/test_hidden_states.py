@@ -37,7 +37,7 @@ from tasks.hidden_states.transformers_backend import (
     fresh_target_model,
     load_target_model,
 )
-from tasks.report import fp8_fidelity
+from tasks.run.status import fp8_fidelity
 
 torch.set_num_threads(1)
 

@@ -17,7 +17,8 @@ from eagle3_datagen.artifacts import ShardRef, ui_key
 from eagle3_datagen.config import PipelineConfig, ServerConfig, absolute_uri
 from eagle3_datagen.errors import ConfigurationError, OneLineFormatter, UserError
 from tasks.generation.progress import shard_rows
-from tasks.report import latency_over_time, where_outputs_are
+from tasks.run.plots import latency_over_time
+from tasks.run.report import where_outputs_are
 
 
 def test_artifact_keys_fit_prefect_and_keep_runs_apart() -> None:
@@ -114,7 +115,7 @@ def test_the_custom_profiles_example_in_the_form_is_a_valid_profile() -> None:
 
 def test_a_shortfall_names_the_shards_and_says_others_went_on_only_when_some_did(tmp_path: Path) -> None:
     from eagle3_datagen.storage import RunStore
-    from tasks.report import run_shortfall
+    from tasks.run.report import run_shortfall
 
     store = RunStore(str(tmp_path), "r")
     done = {"sequences": {"status": "done"}}

@@ -1,0 +1,213 @@
+"""The run from start to end: its folder settled, its manifest written at the start, and at the end the report
+and the manifest's last word (completed, failed or cancelled), whichever way the flow ended."""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import TerminationSignal
+
+from eagle3_datagen import __version__
+from eagle3_datagen.artifacts import MANIFEST, TIMELINE, ShardRef, prompt_id_of, shard_name, ui_key
+from eagle3_datagen.config import PipelineConfig, absolute_uri, parse_config
+from eagle3_datagen.errors import ConfigurationError, UserError, one_line
+from eagle3_datagen.fingerprints import fingerprint
+from eagle3_datagen.modes import assign_mode
+from eagle3_datagen.redaction import redact
+from eagle3_datagen.storage import RunStore
+from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
+from tasks.run.plots import PLOT_FILES, run_plots
+from tasks.run.report import mode_rows, render_report, run_shortfall, shard_row, where_outputs_are
+from tasks.run.status import fp8_fidelity, shard_status
+
+
+class RunFailed(UserError):
+    """The run produced less than it should: shards that did not finish, or too few prompts accepted."""
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Facts fixed at the start of a run that later stages' cache keys depend on."""
+
+    tokenizer_fingerprint: str
+    target_fingerprint: str
+    think_tokens: dict[str, Any]
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+def _started_in() -> Path | None:
+    """The directory a run was started from; None for a deployment run (its worker's folder is temporary)."""
+    from prefect.runtime import deployment
+
+    return None if deployment.id else Path.cwd()
+
+
+def settled_output(config: PipelineConfig) -> PipelineConfig:
+    """The config with `output_uri` absolute, resolved once where the run started (refused under a worker)."""
+    return config.model_copy(update={"output_uri": absolute_uri(config.output_uri, _started_in(), "output_uri")})
+
+
+def settled_run(run: str) -> str:
+    """A run folder given as a parameter, absolute (refused relative under a worker, like `output_uri`)."""
+    return absolute_uri(run, _started_in(), "run")
+
+
+def run_named(kind: str = "") -> Callable[[], str]:
+    """A flow-run name after the run it works on (`my-run`, `my-run/rerun-failed`), not Prefect's random one."""
+
+    def name() -> str:
+        from prefect.runtime import flow_run
+
+        parameters = flow_run.parameters
+        config = parameters.get("config")
+        run = config.get("run_name") if isinstance(config, dict) else getattr(config, "run_name", None)
+        run = run or posixpath.basename(str(parameters.get("run", "")).rstrip("/")) or "eagle3"
+        return f"{run}/{kind}" if kind else run
+
+    return name
+
+
+@task(name="start-run", task_run_name="{config.run_name}/start-run", cache_policy=NO_CACHE)
+def start_run(config: PipelineConfig) -> RunContext:
+    """Prove the think tokens before any request, and record config and fingerprints in the manifest."""
+    store = RunStore(config.output_uri, config.run_name)
+    store.check_writable()
+    create_markdown_artifact(key=ui_key(config.run_name, "output"), markdown=f"Output: {where_outputs_are(store.uri)}",
+                             description=f"where {config.run_name} writes its outputs")
+    spec = discover_think_tokens(load_tokenizer(config.model.tokenizer), config.profile)
+    context = RunContext(
+        tokenizer_fingerprint=fingerprint(config.model.tokenizer),
+        target_fingerprint=fingerprint(config.target_model),
+        think_tokens=spec.as_dict(),
+    )
+    manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {"created_at": _now()}
+    if manifest.get("status") == "running":
+        get_run_logger().warning(
+            "the previous run of %s did not end (killed, or still running elsewhere; last update %s): resuming "
+            "from what it wrote", store.uri, manifest.get("updated_at"))
+        manifest.setdefault("interrupted", []).append(manifest.get("started_at") or manifest.get("updated_at"))
+    for stale in ("cause", "ended_at"):
+        manifest.pop(stale, None)
+    manifest.update(
+        status="running",
+        started_at=_now(),
+        updated_at=_now(),
+        package_version=__version__,
+        config=config.model_dump(mode="json"),
+        fingerprints={"tokenizer": context.tokenizer_fingerprint, "target_model": context.target_fingerprint},
+        think_tokens=context.think_tokens,
+    )
+    store.write_json(MANIFEST, manifest)
+    return context
+
+
+def recorded_config(run_uri: str, overrides: list[str] | None = None) -> PipelineConfig:
+    """The config a run was started with, from its manifest (for re-runs and extraction-only runs)."""
+    store = RunStore.at(run_uri)
+    if not store.exists(MANIFEST):
+        raise ConfigurationError(f"{run_uri} has no {MANIFEST}: pass a run folder such as runs/demo or s3://bucket/x/run")
+    return parse_config(store.read_json(MANIFEST)["config"], overrides)
+
+
+@task(name="finish-run", task_run_name="{config.run_name}/finish-run", cache_policy=NO_CACHE)
+def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_rejections: int,
+               prompt_shards: list[ShardRef], generation: list[Any] | BaseException) -> dict[str, Any]:
+    """Manifest, report.md, its plots and the UI report; fail the run, naming the shards, if any fell short.
+
+    `generation` is the generation task's result, or its error when it ended short.
+    """
+    store = RunStore(config.output_uri, config.run_name)
+    with_hidden = config.hidden_states.backend != "none"
+    end_id = context.think_tokens["end_id"]
+    num_shards = len(prompt_shards)
+    mix = config.generation.mode_mix(config.profile)
+    shards = {shard_name(ref.index): shard_status(store, ref, with_hidden, end_id, config.profile,
+                                                  lambda sample: assign_mode(prompt_id_of(sample), mix))
+              for ref in prompt_shards}
+    last_stage = "hidden_states" if with_hidden else "sequences"
+    shard_rows = [shard_row(name, status, last_stage) for name, status in shards.items()]
+    by_mode = mode_rows(shards, {entry.mode: entry.weight for entry in mix}, last_stage)
+    timeline = store.read_jsonl(TIMELINE) if store.exists(TIMELINE) else []
+    plots = run_plots(shards, shard_rows, timeline)
+    for status in shards.values():
+        for kept_out in ("reasoning_lengths", "answer_lengths"):  # per-sample lists: plotted, not in the manifest
+            status.get("generations", {}).pop(kept_out, None)
+    finished = [s for s in shards.values() if s.get(last_stage, {}).get("status") == "done"]
+    rejected = prompt_rejections + sum(
+        s.get(stage, {}).get("rejected", 0) for s in shards.values() for stage in ("generations", "sequences"))
+    records = sum(s.get("generations", {}).get("records", 0) for s in shards.values())
+    thinking = [counts for s in shards.values() for mode, counts in s.get("generations", {}).get("modes", {}).items()
+                if config.profile.mode(mode).thinks]  # coverage is of the records of modes that think
+    covered = sum(c["with_reasoning"] for c in thinking) / max(1, sum(c["records"] for c in thinking))
+    totals = {
+        "input rows": rows,
+        "rejected": rejected,
+        "shards": num_shards,
+        "shards finished": len(finished),
+        "records generated": records,
+        "reasoning coverage": f"{covered:.1%}",
+        "sequence tokens": sum(s.get("sequences", {}).get("tokens", 0) for s in shards.values()),
+        "hidden-state bytes": sum(s.get("hidden_states", {}).get("bytes", 0) for s in shards.values()),
+    }
+    if fidelity := fp8_fidelity(shards):
+        totals["fp8 cosine to the model-dtype states"] = fidelity
+    for title, png in plots.items():
+        store.write_bytes(PLOT_FILES[title], png)
+    report = render_report(config.run_name, store.uri, shard_rows, totals, {}, by_mode)  # the file links its plots
+    store.write_text("report.md", report + "".join(f"\n![{title}]({file})\n" for title, file in PLOT_FILES.items()
+                                                   if title in plots))
+    create_markdown_artifact(key=ui_key(config.run_name, "report"),
+                             markdown=render_report(config.run_name, store.uri, shard_rows, totals, plots, by_mode),
+                             description=f"eagle3-datagen run {config.run_name}: per shard, totals and plots")
+    generation_error = one_line(generation) if isinstance(generation, BaseException) else None
+    cause = run_shortfall(shards, last_stage, num_shards, config.validation.min_accepted_rate, store,
+                          generation_error)
+    end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals, modes=by_mode)
+    if cause and isinstance(generation, UserError):
+        raise generation.restated(cause) from None  # its type and exit status, with what the run knows now
+    if cause:
+        raise RunFailed(cause)
+    return {"run_uri": store.uri, "totals": totals, "report": report}
+
+
+def end_run(store: RunStore, status: str, cause: str | None, **fields: Any) -> None:
+    """The manifest's last word: completed, failed or cancelled, with the cause in one line."""
+    manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
+    manifest.update(fields, status=status, updated_at=_now(), ended_at=_now())
+    if cause:
+        manifest["cause"] = redact(" ".join(cause.split()))
+    store.write_json(MANIFEST, manifest)
+
+
+def record_run_end(status: str) -> Callable[[Any, Any, Any], None]:
+    """A Prefect flow hook that ends the manifest when the flow fails, crashes or is cancelled.
+
+    The flow's `config` parameter names the run. A run that never got as far as its manifest leaves none.
+    """
+
+    def hook(flow: Any, flow_run: Any, state: Any) -> None:
+        config = PipelineConfig.model_validate(flow_run.parameters["config"])
+        store = RunStore(config.output_uri, config.run_name)
+        manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
+        if manifest.get("status") != "running":
+            return  # finish-run already ended it, or the run failed before it began
+        error = None if status == "cancelled" else state.result(raise_on_failure=False)
+        if status == "cancelled" or isinstance(error, TerminationSignal | KeyboardInterrupt):
+            end_run(store, "cancelled", "stopped by a termination signal or a cancel: run again to resume; "
+                                        "finished work is kept")
+            return
+        end_run(store, status, one_line(error) if isinstance(error, BaseException) else state.message or state.name)
+
+    hook.__name__ = f"record-run-{status}"
+    return hook

@@ -1,0 +1,104 @@
+"""The report's plots as PNG bytes: reasoning and answer lengths, shard outcomes, request latency over time."""
+
+from __future__ import annotations
+
+import io
+from itertools import pairwise
+from typing import Any
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(figure: Any) -> bytes:
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=80)
+    _pyplot().close(figure)
+    return buffer.getvalue()
+
+
+def plot_lengths(reasoning: list[int], answers: list[int]) -> bytes:
+    """Histograms of reasoning and answer tokens per sample."""
+    figure, axes = _pyplot().subplots(1, 2, figsize=(8, 3))
+    for axis, lengths, what in ((axes[0], reasoning, "reasoning"), (axes[1], answers, "answer")):
+        axis.hist(lengths, bins=min(40, max(5, len(set(lengths)))), color="#3b6ea8")
+        axis.set_xlabel(f"{what} tokens per sample")
+        axis.set_ylabel("samples")
+        axis.set_title(f"{what.capitalize()} length")
+    return _png(figure)
+
+
+def plot_shard_outcomes(names: list[str], accepted: list[int], rejected: list[int]) -> bytes:
+    """Prompts accepted into the training set and prompts rejected, per shard."""
+    figure, axis = _pyplot().subplots(figsize=(8, 3))
+    positions = range(len(names))
+    axis.bar(positions, accepted, color="#3b8a4a", label="accepted")
+    axis.bar(positions, rejected, bottom=accepted, color="#b8433a", label="rejected")
+    axis.set_xticks(list(positions), [n.removeprefix("shard-") for n in names], rotation=90 if len(names) > 20 else 0)
+    axis.set_xlabel("shard")
+    axis.set_ylabel("prompts")
+    axis.set_title("Accepted and rejected per shard")
+    axis.legend()
+    return _png(figure)
+
+
+def latency_over_time(timeline: list[dict[str, float]], points: int = 60) -> list[tuple[float, float]]:
+    """(seconds into the attempt, mean request latency) from generation's samples, by Little's law.
+
+    Each row counts the prompts finished by then and the mean requests in flight since the row before; over a
+    window, mean latency = mean requests in flight ÷ completions per second. Windows without a completion have
+    no latency and are left out; each attempt of a resumed run starts its own time axis.
+    """
+    attempts: dict[float, list[dict[str, float]]] = {}
+    for sample in timeline:
+        attempts.setdefault(sample["started_at"], []).append(sample)
+    curve = []
+    for samples in attempts.values():
+        step = max(1, len(samples) // points)
+        for at in range(step, len(samples), step):
+            window = samples[at - step:at + 1]
+            finished = window[-1]["done"] - window[0]["done"]
+            if finished <= 0:
+                continue
+            busy = sum(b["in_flight"] * (b["t"] - a["t"]) for a, b in pairwise(window))
+            curve.append((window[-1]["t"], busy / finished))
+    return curve
+
+
+def plot_latency(curve: list[tuple[float, float]]) -> bytes:
+    figure, axis = _pyplot().subplots(figsize=(8, 3))
+    axis.plot([t for t, _ in curve], [latency for _, latency in curve], marker=".", color="#6a4c93")
+    axis.set_xlabel("seconds into generation")
+    axis.set_ylabel("seconds")
+    axis.set_title("Mean request latency (requests in flight ÷ completions per second)")
+    axis.set_ylim(bottom=0)
+    return _png(figure)
+
+
+PLOT_FILES = {"reasoning and answer lengths": "reasoning_lengths.png",
+              "accepted and rejected per shard": "shard_outcomes.png",
+              "request latency over time": "request_latency.png"}
+
+
+def run_plots(shards: dict[str, dict[str, Any]], rows: list[dict[str, Any]],
+              timeline: list[dict[str, float]]) -> dict[str, bytes]:
+    """The report's plots, by title; a plot without data is left out."""
+    reasoning = [n for s in shards.values() for n in s.get("generations", {}).get("reasoning_lengths", [])]
+    answers = [n for s in shards.values() for n in s.get("generations", {}).get("answer_lengths", [])]
+    plots = {}
+    if reasoning:
+        plots["reasoning and answer lengths"] = plot_lengths(reasoning, answers)
+    if rows:
+        plots["accepted and rejected per shard"] = plot_shard_outcomes(
+            [r["shard"] for r in rows], [r["accepted"] for r in rows], [r["rejected"] for r in rows])
+    curve = latency_over_time(timeline)
+    if curve:
+        plots["request latency over time"] = plot_latency(curve)
+    return plots

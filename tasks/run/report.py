@@ -1,0 +1,124 @@
+"""The run report in markdown, and the verdict: why a run produced less than it should.
+
+One text serves the report.md in the run folder and the Prefect artifact scoped to the run, its plots inline, so
+the UI shows what the run made without opening the storage.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections import Counter
+from typing import Any
+
+from eagle3_datagen.artifacts import MANIFEST
+from eagle3_datagen.storage import RunStore
+
+
+def where_outputs_are(uri: str) -> str:
+    """The run folder as text to copy, with the commands that list and check it: a browser opens no `file://`
+    link from an http page, nor an `s3://` one at all."""
+    listing = f"aws s3 ls {uri}/" if uri.startswith("s3://") else f"ls {uri}"
+    return f"`{uri}` (list it: `{listing}`; check it: `eagle3-datagen verify {uri}`)"
+
+
+def _final_stage(status: dict[str, Any]) -> str:
+    return next(reversed(status))
+
+
+def shard_row(name: str, status: dict[str, Any], last_stage: str) -> dict[str, Any]:
+    """What the report says of one shard: records, accepted and rejected prompts, reasoning, lengths, stage."""
+    gen = status.get("generations", {})
+    stage = _final_stage(status)
+    return {
+        "shard": name,
+        "records": gen.get("records", 0),
+        "accepted": status.get(last_stage, {}).get("accepted_prompts", 0),
+        "rejected": gen.get("rejected", 0) + status.get("sequences", {}).get("rejected", 0),
+        "reasoning coverage": f"{gen.get('reasoning_coverage', 0):.1%}",
+        "truncated": gen.get("truncated", 0),
+        "mean reasoning tok": f"{gen.get('mean_reasoning_tokens', 0):.1f}",
+        "mean answer tok": f"{gen.get('mean_answer_tokens', 0):.1f}",
+        "validation": status.get("validation", {}).get("status", "-"),
+        "stage reached": f"{stage}: {status[stage]['status']}",
+    }
+
+
+def mode_rows(shards: dict[str, dict[str, Any]], weights: dict[str, float], last_stage: str) -> list[dict[str, Any]]:
+    """What the report says of each mode of the run's mix: records, samples kept and refused, lengths.
+
+    Kept samples are those of shards that reached the last stage; refused ones were refused by the server or by
+    the sequences stage (not provably exact, or reasoning in a mode answered without it).
+    """
+    total_weight = sum(weights.values())
+    rows = []
+    for mode, weight in weights.items():
+        generated = [s["generations"].get("modes", {}).get(mode, {}) for s in shards.values() if "generations" in s]
+        records = sum(g.get("records", 0) for g in generated)
+        kept = sum(s["sequences"].get("modes", {}).get(mode, {}).get("records", 0) for s in shards.values()
+                   if s.get(last_stage, {}).get("status") == "done")
+        refused = sum(s.get(stage, {}).get("rejected_by_mode", {}).get(mode, 0) for s in shards.values()
+                      for stage in ("generations", "sequences"))
+        rows.append({
+            "mode": mode,
+            "share asked": f"{weight / total_weight:.0%}",
+            "records": records,
+            "kept": kept,
+            "refused": refused,
+            "with reasoning": f"{sum(g.get('with_reasoning', 0) for g in generated) / max(1, records):.1%}",
+            "mean reasoning tok": f"{sum(g.get('reasoning_tokens', 0) for g in generated) / max(1, records):.1f}",
+            "mean answer tok": f"{sum(g.get('answer_tokens', 0) for g in generated) / max(1, records):.1f}",
+        })
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    return ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0]),
+            *("| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows)]
+
+
+def render_report(run_name: str, run_uri: str, rows: list[dict[str, Any]], totals: dict[str, Any],
+                  plots: dict[str, bytes], modes: list[dict[str, Any]]) -> str:
+    """The report: output location, one row per shard, one per mode, totals, and the plots inline (PNG data URIs,
+    which the Prefect UI renders in a markdown artifact)."""
+    lines = [f"# Run {run_name}", "", f"Output: {where_outputs_are(run_uri)}", "", *_table(rows)]
+    if modes:
+        lines += ["", *_table(modes)]
+    lines += ["", "| total | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in totals.items()]
+    for title, png in plots.items():
+        lines += ["", f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})"]
+    return "\n".join(lines) + "\n"
+
+
+STAGES = ("generations", "validation", "sequences", "hidden_states")
+
+
+def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards: int, min_accepted_rate: float,
+                  store: RunStore, generation_error: str | None = None) -> str | None:
+    """Why the run produced less than it should, as one line naming the shards; None when it is complete."""
+    short = [name for name, s in shards.items() if s.get(last_stage, {}).get("status") != "done"]
+    if generation_error and not short:  # refused before asking (other settings): the shards are from before
+        return generation_error
+    if short:
+        more = f" and {len(short) - 10} more" if len(short) > 10 else ""
+        others = f"; the others went on to {last_stage}" if len(short) < num_shards else ""
+        which = f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}{others})"
+        if generation_error:
+            return f"{generation_error}; {which}"
+        why = next((f"{name} {stage}: {s[stage]['reasons'][0]}; " for name in short for stage in STAGES
+                    if (s := shards[name]).get(stage, {}).get("reasons")), "")
+        return (f"{which}: {why}see {store.uri}/{MANIFEST}; fix the cause and run again (finished shards are not "
+                "redone)")
+    prompts = sum(s["prompts"]["records"] for s in shards.values())
+    accepted = sum(s[last_stage].get("accepted_prompts", 0) for s in shards.values())
+    rate = accepted / max(1, prompts)
+    if accepted and rate >= min_accepted_rate:
+        return None
+    reasons = Counter(row["reason"] for rel in store.list("rejected", ".jsonl") for row in store.read_jsonl(rel))
+    common = ""
+    if reasons:
+        reason, count = reasons.most_common(1)[0]
+        common = f"; most common reason ({count}×): {reason}"
+    return (f"only {accepted} of {prompts} prompts reached the training set ({rate:.0%} < "
+            f"validation.min_accepted_rate {min_accepted_rate:.0%}){common}; see {store.uri}/rejected/")

@@ -1,0 +1,170 @@
+"""Each shard's status and counts per stage, read back from its artifacts (or their completion markers).
+
+Read from storage, not from task results, so the manifest is right whichever tasks failed, and `rerun-failed`
+can trust it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sha256_hex
+from eagle3_datagen.profiles import ModelProfile
+from eagle3_datagen.storage import RunStore, iter_jsonl
+
+
+def _reasoning_tokens(record: dict[str, Any], end_id: int, thinks: bool) -> int:
+    ids = record.get("completion_token_ids") or []
+    if not thinks:
+        return 0
+    return ids.index(end_id) if end_id in ids else len(ids)
+
+
+def _summarized(store: RunStore, path: str, key: str, summarize: Callable[[bytes], dict[str, Any]]) -> dict[str, Any]:
+    """A shard file's counts, kept in its completion marker under `key` the first time they are read: a re-run
+    of a finished run reads markers, not shards."""
+    marker = store.read_marker(path)
+    if marker is not None and key in marker:
+        return dict(marker[key])
+    data = store.read_bytes(path)
+    summary = {"sha256": sha256_hex(data), **summarize(data)}
+    if marker is not None and marker["sha256"] == summary["sha256"]:
+        store.add_to_marker(marker, **{key: summary})
+    return summary
+
+
+def _generations_summary(data: bytes, end_id: int, profile: ModelProfile) -> dict[str, Any]:
+    """Counts and lengths of a shard's records, read one at a time; reasoning is measured on the records of modes
+    that think."""
+    reasoning_lengths, answer_lengths, records, with_reasoning, truncated = [], [], 0, 0, 0
+    by_mode: dict[str, dict[str, int]] = {}
+    for record in iter_jsonl(data):
+        mode = profile.mode_of(record)
+        thinks = profile.mode(mode).thinks
+        reasoning = _reasoning_tokens(record, end_id, thinks)
+        answer = len(record.get("completion_token_ids") or []) - reasoning
+        has_reasoning = bool(record["reasoning"].strip())
+        records += 1
+        truncated += record["finish_reason"] == "length"
+        answer_lengths.append(answer)
+        if thinks:
+            reasoning_lengths.append(reasoning)
+            with_reasoning += has_reasoning
+        counts = by_mode.setdefault(mode, {"records": 0, "with_reasoning": 0, "reasoning_tokens": 0,
+                                           "answer_tokens": 0})
+        counts["records"] += 1
+        counts["with_reasoning"] += has_reasoning
+        counts["reasoning_tokens"] += reasoning
+        counts["answer_tokens"] += answer
+    return {
+        "records": records,
+        "reasoning_coverage": with_reasoning / max(1, len(reasoning_lengths)),
+        "truncated": truncated,
+        "mean_reasoning_tokens": statistics.fmean(reasoning_lengths) if reasoning_lengths else 0.0,
+        "mean_answer_tokens": statistics.fmean(answer_lengths) if records else 0.0,
+        "reasoning_lengths": reasoning_lengths,
+        "answer_lengths": answer_lengths,
+        "modes": by_mode,
+    }
+
+
+def _sequences_summary(data: bytes) -> dict[str, Any]:
+    with_mode = "mode" in pq.read_schema(io.BytesIO(data)).names
+    table = pq.read_table(io.BytesIO(data), columns=["id", "num_tokens", "agrees", *(["mode"] if with_mode else [])])
+    agrees = [a for a in table.column("agrees").to_pylist() if a is not None]
+    by_mode: dict[str, dict[str, int]] = {}
+    if with_mode:
+        for mode, tokens in zip(table.column("mode").to_pylist(), table.column("num_tokens").to_pylist(), strict=True):
+            counts = by_mode.setdefault(mode, {"records": 0, "tokens": 0})
+            counts["records"] += 1
+            counts["tokens"] += tokens
+    return {
+        "records": table.num_rows,
+        "tokens": sum(table.column("num_tokens").to_pylist()),
+        "accepted_prompts": len({prompt_id_of(i) for i in table.column("id").to_pylist()}),
+        "cross_checked": len(agrees),  # samples with server ids also rebuilt from text (sequences.cross_check_rate)
+        "text_rebuild_agreement": sum(agrees) / len(agrees) if agrees else None,
+        "modes": by_mode,
+    }
+
+
+def _rejected(store: RunStore, path: str, mode_of: Callable[[str], str]) -> dict[str, Any]:
+    """Refused prompts or samples, in all and per mode: a prompt's mode is a function of its id, so a refusal
+    needs no record."""
+    by_mode = Counter(mode_of(row["id"]) for row in store.read_jsonl(path)) if store.exists(path) else Counter()
+    return {"rejected": by_mode.total(), "rejected_by_mode": dict(by_mode)}
+
+
+def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id: int, profile: ModelProfile,
+                 mode_of: Callable[[str], str]) -> dict[str, Any]:
+    """Per-stage status and counts of one shard, read from its artifacts (or their completion markers).
+
+    `mode_of` names the mode of a prompt or sample id (the run's mix), for the per-mode counts.
+    """
+    index = prompts.index
+    status: dict[str, Any] = {"prompts": {"status": "done", "records": prompts.num_records}}
+    generations = artifact_path("generations", index)
+    if not store.exists(generations):
+        status["generations"] = {"status": "pending"}
+        return status
+    summary = _summarized(store, generations, f"report_by_mode_think_end_{end_id}",
+                          lambda data: _generations_summary(data, end_id, profile))
+    status["generations"] = {"status": "done", **summary,
+                             **_rejected(store, rejected_path("generations", index), mode_of)}
+    validation = artifact_path("validation", index)
+    if not store.exists(validation):
+        status["validation"] = {"status": "pending"}
+        return status
+    report = store.read_json(validation)
+    status["validation"] = {"status": report["status"], "reasons": report["reasons"], "rates": report["rates"]}
+    sequences = artifact_path("sequences", index)
+    seq_rejected = rejected_path("sequences", index)
+    if report["status"] != "pass":
+        status["sequences"] = {"status": "skipped"}
+        return status
+    if not store.exists(sequences):
+        status["sequences"] = {"status": "pending"}
+        if store.exists(seq_rejected):  # the stage stopped the shard after writing why each sample was refused
+            reasons = Counter(row["reason"] for row in store.read_jsonl(seq_rejected))
+            reason, count = reasons.most_common(1)[0]
+            status["sequences"] = {"status": "failed", "reasons": [f"{count} samples refused: {reason}"]}
+        return status
+    status["sequences"] = {"status": "done", **_summarized(store, sequences, "report_by_mode", _sequences_summary),
+                           **_rejected(store, seq_rejected, mode_of)}
+    if hidden_states:
+        index_path = artifact_path("hidden_states", index)
+        if store.exists(index_path):
+            data = store.read_bytes(index_path)
+            hs = json.loads(data)
+            status["hidden_states"] = {
+                "status": "done",
+                "sha256": sha256_hex(data),
+                "records": sum(p["num_samples"] for p in hs["parts"]),
+                "accepted_prompts": len({prompt_id_of(i) for i in hs["samples"]}),
+                "bytes": sum(p["bytes"] for p in hs["parts"]),
+                "layers": {k: hs[k] for k in hs if "layer" in k or k == "final_state"},
+                "compression": hs["compression"],
+                **({"fp8_cosine": hs["fp8_cosine"]} if "fp8_cosine" in hs else {}),
+            }
+        else:
+            status["hidden_states"] = {"status": "pending"}
+    return status
+
+
+def fp8_fidelity(shards: dict[str, dict[str, Any]]) -> str | None:
+    """What fp8 cost, in one line over the shards stored in fp8 (None if none is): the worst row's cosine, the
+    lowest shard p1 and median, and how many rows (token x layer) fell under the 0.999 goal."""
+    stats = [s["hidden_states"]["fp8_cosine"] for s in shards.values() if "fp8_cosine" in s.get("hidden_states", {})]
+    if not stats:
+        return None
+    under = sum(stat["under_0.999"] for stat in stats)
+    rows = sum(stat["rows"] for stat in stats)
+    return (f"min {min(stat['min'] for stat in stats):.4f}, p1 {min(stat['p1'] for stat in stats):.4f}, "
+            f"p50 {min(stat['p50'] for stat in stats):.4f} (lowest shard); {under} of {rows} rows under 0.999")
