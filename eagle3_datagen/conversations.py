@@ -16,6 +16,12 @@ def turn_id(conversation: str, turn: int) -> str:
     return f"{conversation}:turn{turn}"
 
 
+def turn_of(sample_id: str) -> int | None:
+    """The turn of a rollout sample (or rejection) id; None for a sample that is not a rollout's."""
+    _, found, turn = sample_id.rpartition(":turn")
+    return int(turn) if found and turn.isdigit() else None
+
+
 def turn_messages(script: Messages, answers: list[str]) -> Messages:
     """Turn k's prompt, k = len(answers): the script's messages up to its (k+1)-th user message, each earlier user
     turn followed by the target's own answer. History carries the answer's content only, as a client sends it

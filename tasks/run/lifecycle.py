@@ -25,7 +25,7 @@ from eagle3_datagen.redaction import redact
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
 from tasks.run.plots import PLOT_FILES, run_plots
-from tasks.run.report import mode_rows, render_report, run_shortfall, shard_row, where_outputs_are
+from tasks.run.report import mode_rows, render_report, run_shortfall, shard_row, turn_rows, where_outputs_are
 from tasks.run.status import fp8_fidelity, shard_status
 
 
@@ -138,6 +138,7 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
     last_stage = "hidden_states" if with_hidden else "sequences"
     shard_rows = [shard_row(name, status, last_stage) for name, status in shards.items()]
     by_mode = mode_rows(shards, {entry.mode: entry.weight for entry in mix}, last_stage)
+    by_turn = turn_rows(shards)
     timeline = store.read_jsonl(TIMELINE) if store.exists(TIMELINE) else []
     plots = run_plots(shards, shard_rows, timeline)
     for status in shards.values():
@@ -160,20 +161,26 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
         "sequence tokens": sum(s.get("sequences", {}).get("tokens", 0) for s in shards.values()),
         "hidden-state bytes": sum(s.get("hidden_states", {}).get("bytes", 0) for s in shards.values()),
     }
+    if by_turn:
+        totals["conversations"] = sum(s["prompts"]["records"] for s in shards.values())
+        totals["conversations answered in full"] = sum(s.get("generations", {}).get("conversations_complete", 0)
+                                                       for s in shards.values())
     if fidelity := fp8_fidelity(shards):
         totals["fp8 cosine to the model-dtype states"] = fidelity
     for title, png in plots.items():
         store.write_bytes(PLOT_FILES[title], png)
-    report = render_report(config.run_name, store.uri, shard_rows, totals, {}, by_mode)  # the file links its plots
+    report = render_report(config.run_name, store.uri, shard_rows, totals, {}, [by_mode, by_turn])  # plots linked
     store.write_text("report.md", report + "".join(f"\n![{title}]({file})\n" for title, file in PLOT_FILES.items()
                                                    if title in plots))
     create_markdown_artifact(key=ui_key(config.run_name, "report"),
-                             markdown=render_report(config.run_name, store.uri, shard_rows, totals, plots, by_mode),
+                             markdown=render_report(config.run_name, store.uri, shard_rows, totals, plots,
+                                                    [by_mode, by_turn]),
                              description=f"eagle3-datagen run {config.run_name}: per shard, totals and plots")
     generation_error = one_line(generation) if isinstance(generation, BaseException) else None
     cause = run_shortfall(shards, last_stage, num_shards, config.validation.min_accepted_rate, store,
                           generation_error)
-    end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals, modes=by_mode)
+    end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals, modes=by_mode,
+            **({"turns": by_turn} if by_turn else {}))
     if cause and isinstance(generation, UserError):
         raise generation.restated(cause) from None  # its type and exit status, with what the run knows now
     if cause:

@@ -71,6 +71,19 @@ def mode_rows(shards: dict[str, dict[str, Any]], weights: dict[str, float], last
     return rows
 
 
+def turn_rows(shards: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the report says of each turn of a run's rollouts (none without): samples generated at that turn, and
+    conversations the server's refusal of that turn ended there."""
+    generated: Counter[int] = Counter()
+    refused: Counter[int] = Counter()
+    for status in shards.values():
+        gen = status.get("generations", {})
+        generated.update({int(turn): count for turn, count in gen.get("turns", {}).items()})
+        refused.update({int(turn): count for turn, count in gen.get("rejected_by_turn", {}).items()})
+    return [{"turn": turn, "samples": generated[turn], "conversations ended here (refused)": refused[turn]}
+            for turn in sorted(generated | refused)]
+
+
 def _table(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
@@ -79,12 +92,13 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def render_report(run_name: str, run_uri: str, rows: list[dict[str, Any]], totals: dict[str, Any],
-                  plots: dict[str, bytes], modes: list[dict[str, Any]]) -> str:
-    """The report: output location, one row per shard, one per mode, totals, and the plots inline (PNG data URIs,
-    which the Prefect UI renders in a markdown artifact)."""
+                  plots: dict[str, bytes], breakdowns: list[list[dict[str, Any]]]) -> str:
+    """The report: output location, one row per shard, the breakdowns (per mode, per turn), totals, and the plots
+    inline (PNG data URIs, which the Prefect UI renders in a markdown artifact)."""
     lines = [f"# Run {run_name}", "", f"Output: {where_outputs_are(run_uri)}", "", *_table(rows)]
-    if modes:
-        lines += ["", *_table(modes)]
+    for breakdown in breakdowns:
+        if breakdown:
+            lines += ["", *_table(breakdown)]
     lines += ["", "| total | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in totals.items()]
     for title, png in plots.items():
         lines += ["", f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})"]

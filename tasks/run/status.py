@@ -16,6 +16,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sha256_hex
+from eagle3_datagen.conversations import turn_of
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunStore, iter_jsonl
 
@@ -45,6 +46,8 @@ def _generations_summary(data: bytes, end_id: int, profile: ModelProfile) -> dic
     that think."""
     reasoning_lengths, answer_lengths, records, with_reasoning, truncated = [], [], 0, 0, 0
     by_mode: dict[str, dict[str, int]] = {}
+    by_turn: Counter[str] = Counter()  # a rollout's samples per turn index
+    complete = 0  # a rollout's conversations answered in full
     for record in iter_jsonl(data):
         mode = profile.mode_of(record)
         thinks = profile.mode(mode).thinks
@@ -63,6 +66,9 @@ def _generations_summary(data: bytes, end_id: int, profile: ModelProfile) -> dic
         counts["with_reasoning"] += has_reasoning
         counts["reasoning_tokens"] += reasoning
         counts["answer_tokens"] += answer
+        if "turn" in record:
+            by_turn[str(record["turn"])] += 1
+            complete += record["turn"] == record["turns"] - 1
     return {
         "records": records,
         "reasoning_coverage": with_reasoning / max(1, len(reasoning_lengths)),
@@ -72,6 +78,7 @@ def _generations_summary(data: bytes, end_id: int, profile: ModelProfile) -> dic
         "reasoning_lengths": reasoning_lengths,
         "answer_lengths": answer_lengths,
         "modes": by_mode,
+        **({"turns": dict(by_turn), "conversations_complete": complete} if by_turn else {}),
     }
 
 
@@ -98,8 +105,11 @@ def _sequences_summary(data: bytes) -> dict[str, Any]:
 def _rejected(store: RunStore, path: str, mode_of: Callable[[str], str]) -> dict[str, Any]:
     """Refused prompts or samples, in all and per mode: a prompt's mode is a function of its id, so a refusal
     needs no record."""
-    by_mode = Counter(mode_of(row["id"]) for row in store.read_jsonl(path)) if store.exists(path) else Counter()
-    return {"rejected": by_mode.total(), "rejected_by_mode": dict(by_mode)}
+    rows = store.read_jsonl(path) if store.exists(path) else []
+    by_mode = Counter(mode_of(row["id"]) for row in rows)
+    by_turn = Counter(str(turn) for row in rows if (turn := turn_of(row["id"])) is not None)
+    return {"rejected": by_mode.total(), "rejected_by_mode": dict(by_mode),
+            **({"rejected_by_turn": dict(by_turn)} if by_turn else {})}
 
 
 def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id: int, profile: ModelProfile,

@@ -142,15 +142,21 @@ def test_a_rollout_regenerates_each_turn_on_its_own_answers_through_every_stage(
     """Every turn of a conversation is a sample of exact ids, asked on the answers before it; verify accounts for
     conversations, turns and samples, and the trainers' export holds every turn."""
     mix = [{"mode": "thinking", "weight": 0.5}, {"mode": "instant", "weight": 0.5}]
+    server.script.refused_for = "And what is that times 2?"  # the second turn of one of the two conversations
     run_pipeline(config(tiny_model, server.url, tmp_path, data__turns="rollout", data__limit=40,
                         generation__modes=mix, sequences__cross_check_rate=1.0))
     run = tmp_path / "flow"
-    assert json.loads((run / "manifest.json").read_text())["status"] == "completed"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "completed"
     verification = verify_run(RunStore.at(str(run)))
     assert verification.complete, verification.problems
     records = [json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
                for line in f.read_text().splitlines()]
-    assert verification.prompts == 40 and verification.samples == len(records) == 42, "two rows of two turns"
+    assert verification.prompts == 40 and verification.samples == len(records) == 41, "two rows of two turns"
+    assert (manifest["totals"]["conversations"], manifest["totals"]["conversations answered in full"]) == (40, 39)
+    assert manifest["turns"] == [{"turn": 0, "samples": 40, "conversations ended here (refused)": 0},
+                                 {"turn": 1, "samples": 1, "conversations ended here (refused)": 1}]
+    assert "| turn | samples | conversations ended here (refused) |" in (run / "report.md").read_text()
     second_turns = [r for r in records if r["turn"] == 1]
     for second in second_turns:
         first = next(r for r in records if r["id"] == second["id"].replace(":turn1", ":turn0"))
@@ -158,9 +164,9 @@ def test_a_rollout_regenerates_each_turn_on_its_own_answers_through_every_stage(
         assert second.get("mode") == first.get("mode"), "a conversation keeps its mode"
     sequences = [row for f in sorted((run / "sequences").glob("shard-*.parquet"))
                  for row in pq.read_table(f).to_pylist()]
-    assert len(second_turns) == 2 and all(row["agrees"] for row in sequences)
+    assert len(second_turns) == 1 and all(row["agrees"] for row in sequences)
     assert sorted(row["id"] for row in sequences) == sorted(r["id"] for r in records)
-    assert export_run(str(run), "speculators")["num_samples"] == 42
+    assert export_run(str(run), "speculators")["num_samples"] == 41
 
 
 def test_changing_a_later_stage_reruns_only_that_stage(tiny_model: Path, server: ScriptedServer,
