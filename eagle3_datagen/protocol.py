@@ -34,6 +34,8 @@ RETRYABLE_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 # any other status that is not retryable (401, 403, 404, 405...) refuses every request the endpoint is sent
 REQUEST_REFUSAL_STATUS = frozenset({400, 413, 422})
 UNKNOWN_MODEL = re.compile(r"\bmodel\b[^.]*\b(does not exist|not found)|\b(unknown|invalid) model\b", re.IGNORECASE)
+# a 400 about how the server was started, not about the request: every request with tools gets it
+SERVER_SETUP = re.compile(r"enable-auto-tool-choice|tool-call-parser", re.IGNORECASE)
 CHAT_PATH = "/v1/chat/completions"
 
 
@@ -62,7 +64,8 @@ class RequestFailed(Eagle3Error, RuntimeError):
         A 401 or 403 (the key), a 404 or 405 (the route, or a model the server does not serve) refuses every
         request alike, and so does a 400 that names an unknown model.
         """
-        return self.status in REQUEST_REFUSAL_STATUS and not UNKNOWN_MODEL.search(str(self))
+        return (self.status in REQUEST_REFUSAL_STATUS and not UNKNOWN_MODEL.search(str(self))
+                and not SERVER_SETUP.search(str(self)))
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class Completion:
     usage: dict[str, Any]
     model: str
     unread_fields: dict[str, str] = field(default_factory=dict)  # other long text fields of the message
+    tool_calls: list[dict[str, Any]] | None = None  # as the served tool parser read them from the completion
 
 
 @dataclass(frozen=True)
@@ -115,9 +119,10 @@ def build_chat_request(
     *,
     seed: int | None = None,
     max_tokens: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The JSON body of a chat completion in one of the model's modes (`profile.mode(name)`), switched on the way
-    this model wants."""
+    this model wants; with `tools`, the model may call them (the server's tool parser reads the calls)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": with_system_prompt(messages, spec),
@@ -130,6 +135,9 @@ def build_chat_request(
         body["chat_template_kwargs"] = dict(spec.chat_template_kwargs)
     if spec.reasoning_effort:
         body["reasoning_effort"] = spec.reasoning_effort
+    if tools:
+        body["tools"] = tools
+        body["tool_choice"] = "auto"
     if seed is not None:
         body["seed"] = seed
     if generation.n > 1:
@@ -170,6 +178,18 @@ def _unread_text_fields(message: Mapping[str, Any]) -> dict[str, str]:
     return {k: v for k, v in message.items() if k not in known and isinstance(v, str) and v.strip()}
 
 
+def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:
+    """The message's tool calls in the protocol's shape, without the fields a server adds beyond it."""
+    if not calls:
+        return None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              for c in calls):
+        raise ProtocolError(f"tool_calls is not a list of {{id, function}} objects: {json.dumps(calls)[:200]}")
+    return [{"id": call.get("id"), "type": "function", "function": {"name": call["function"].get("name"),
+                                                                     "arguments": call["function"].get("arguments")}}
+            for call in calls]
+
+
 def parse_chat_response(body: Mapping[str, Any], profile: ModelProfile) -> list[Completion]:
     """Every choice of a chat completion response."""
     choices = body.get("choices")
@@ -190,6 +210,7 @@ def parse_chat_response(body: Mapping[str, Any], profile: ModelProfile) -> list[
                 usage=body.get("usage") or {},
                 model=body.get("model", ""),
                 unread_fields=_unread_text_fields(message),
+                tool_calls=_tool_calls(message.get("tool_calls")),
             )
         )
     return completions

@@ -28,6 +28,7 @@ from eagle3_datagen.artifacts import (
 )
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
+from eagle3_datagen.conversations import user_turns
 from eagle3_datagen.errors import Eagle3Error, Log, UserError, retry_unless_user_error
 from eagle3_datagen.storage import RunStore, marker_path
 
@@ -42,6 +43,9 @@ _ROLES = {
     "assistant": "assistant",
     "model": "assistant",
     "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+    "function_call": "function_call",
 }
 # (column, role key, text key) of each accepted form; "auto" takes the first whose column the row fills.
 _SHAREGPT = ("conversations", "from", "value")
@@ -135,11 +139,13 @@ def _local_files(path: Path) -> tuple[str, list[str]]:
     return builders.pop(), [str(p) for p in files]
 
 
-def normalize_messages(row: dict[str, Any], fmt: PromptFormat = "auto") -> list[dict[str, str]]:
-    """The prompt of one row: its turns up to and including the last user turn, as {role, content} messages.
+def normalize_conversation(row: dict[str, Any], fmt: PromptFormat = "auto") -> list[dict[str, Any]]:
+    """A row's whole conversation as chat messages: {role, content}, an assistant's `tool_calls`, and tool results
+    as {role: tool, tool_call_id, name, content} (`name`: the function whose call they answer).
 
-    Trailing assistant turns are dropped because the target model regenerates the answer; earlier assistant
-    and system turns stay as context. Raises RowRejected with a short reason when the row is unusable.
+    Reads OpenAI messages (assistant `tool_calls`, `tool` messages with `tool_call_id`) and ShareGPT turns
+    (`function_call` and `observation` turns, as LLaMA-Factory writes function calling). Raises RowRejected with a
+    short reason when the row is unusable.
     """
     form = next((f for f in _FORMS[fmt] if row.get(f[0]) is not None), None)
     if form is None:
@@ -148,28 +154,120 @@ def normalize_messages(row: dict[str, Any], fmt: PromptFormat = "auto") -> list[
     turns = row[column]
     if not isinstance(turns, list):
         raise RowRejected(f"{column} is a {type(turns).__name__}, not a list of turns")
-    roles: list[str] = []
+    messages: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []  # the last assistant's calls, which the tool results that follow answer
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise RowRejected(f"turn {i} is not a {{{role_key}, {text_key}}} object")
         role = turn.get(role_key)
         if not isinstance(role, str) or role.lower() not in _ROLES:
             raise RowRejected(f"turn {i} has unknown role {role!r}")
-        roles.append(_ROLES[role.lower()])
-    if "user" not in roles:
-        raise RowRejected("no user turn")
-    last_user = len(roles) - 1 - roles[::-1].index("user")
-    messages = []
-    for i, role in enumerate(roles[: last_user + 1]):
-        text = turns[i].get(text_key)
+        role = _ROLES[role.lower()]
+        if role == "function_call":
+            calls = _sharegpt_calls(turn.get(text_key), i)
+            messages.append({"role": "assistant", "content": "", "tool_calls": calls})
+            continue
+        text = turn.get(text_key)
+        if role == "assistant" and turn.get("tool_calls"):
+            calls = _openai_calls(turn["tool_calls"], i)
+            text = text or ""
         if not isinstance(text, str):
             raise RowRejected(f"turn {i} {text_key} is {type(text).__name__}, not a string")
         if not _is_valid_utf8(text):
             raise RowRejected("text is not valid UTF-8")
         if role == "user" and not text.strip():
             raise RowRejected(f"turn {i} is an empty user turn")
-        messages.append({"role": role, "content": text})
+        if role == "tool":
+            messages.append(_tool_result(turn, text, calls, messages, i))
+        elif role == "assistant" and turn.get("tool_calls"):
+            messages.append({"role": "assistant", "content": text, "tool_calls": calls})
+        else:
+            messages.append({"role": role, "content": text})
+    if not any(message["role"] == "user" for message in messages):
+        raise RowRejected("no user turn")
     return messages
+
+
+def normalize_messages(row: dict[str, Any], fmt: PromptFormat = "auto") -> list[dict[str, Any]]:
+    """The prompt of one row: its turns up to and including the last user turn.
+
+    Trailing assistant turns are dropped because the target model regenerates the answer; earlier assistant
+    and system turns stay as context (tool results as the protocol sends them).
+    """
+    return _up_to_last_user(normalize_conversation(row, fmt))
+
+
+def _up_to_last_user(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    last_user = max(i for i, message in enumerate(conversation) if message["role"] == "user")
+    return [_as_sent(message) for message in conversation[: last_user + 1]]
+
+
+def _as_sent(message: dict[str, Any]) -> dict[str, Any]:
+    """A tool result as a request carries it: a template may read `name` as the speaker's."""
+    return {key: value for key, value in message.items() if key != "name"} if message["role"] == "tool" else message
+
+
+def _openai_calls(calls: Any, turn: int) -> list[dict[str, Any]]:
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              and isinstance(c["function"].get("name"), str) for c in calls):
+        raise RowRejected(f"turn {turn} tool_calls is not a list of {{id, function: {{name, arguments}}}}")
+    return [{"id": str(call.get("id") or f"call_{turn}_{k}"), "type": "function",
+             "function": {"name": call["function"]["name"], "arguments": _arguments(call["function"], turn)}}
+            for k, call in enumerate(calls)]
+
+
+def _sharegpt_calls(value: Any, turn: int) -> list[dict[str, Any]]:
+    """A ShareGPT `function_call` turn: a JSON object {name, arguments}, or a list of them (parallel calls)."""
+    try:
+        parsed = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError:
+        raise RowRejected(f"turn {turn} function_call is not JSON") from None
+    parsed = parsed if isinstance(parsed, list) else [parsed]
+    if not all(isinstance(call, dict) and isinstance(call.get("name"), str) for call in parsed):
+        raise RowRejected(f"turn {turn} function_call is not a {{name, arguments}} object or a list of them")
+    return [{"id": f"call_{turn}_{k}", "type": "function",
+             "function": {"name": call["name"], "arguments": _arguments(call, turn)}} for k, call in enumerate(parsed)]
+
+
+def _arguments(function: dict[str, Any], turn: int) -> str:
+    """A call's arguments as the protocol carries them: a JSON string."""
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        return arguments
+    try:
+        return json.dumps(arguments, ensure_ascii=False)
+    except TypeError:
+        raise RowRejected(f"turn {turn} has tool-call arguments that are not JSON") from None
+
+
+def _tool_result(turn: dict[str, Any], text: str, calls: list[dict[str, Any]], before: list[dict[str, Any]],
+                 index: int) -> dict[str, Any]:
+    """A tool result and the function it answers: the call its `tool_call_id` names, else the next call in order."""
+    answered = next((k for k, message in enumerate(reversed(before)) if message["role"] != "tool"), len(before))
+    wanted = turn.get("tool_call_id")
+    call = next((c for c in calls if c["id"] == wanted), None) if wanted else (
+        calls[answered] if answered < len(calls) else None)
+    if call is None or not before or before[-1 - answered]["role"] != "assistant":
+        raise RowRejected(f"turn {index} is a tool result without a call before it")
+    return {"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"], "content": text}
+
+
+def row_tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The functions a row offers the model (`tools`, a list or its JSON text), in the protocol's shape."""
+    tools = row.get("tools")
+    if tools in (None, "", []):
+        return None
+    try:
+        tools = json.loads(tools) if isinstance(tools, str) else tools
+    except json.JSONDecodeError:
+        raise RowRejected("tools is not JSON") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise RowRejected("tools is not a list of function definitions")
+    wrapped = [tool if tool.get("type") == "function" and isinstance(tool.get("function"), dict)
+               else {"type": "function", "function": tool} for tool in tools]
+    if not all(isinstance(tool["function"].get("name"), str) for tool in wrapped):
+        raise RowRejected("a tool in tools has no name")
+    return wrapped
 
 
 def user_turn_prompts(conversation: list[dict[str, str]]) -> list[list[dict[str, str]]]:
@@ -177,16 +275,43 @@ def user_turn_prompts(conversation: list[dict[str, str]]) -> list[list[dict[str,
     return [conversation[: i + 1] for i, message in enumerate(conversation) if message["role"] == "user"]
 
 
-def rollout_script(conversation: list[dict[str, str]]) -> list[dict[str, str]]:
-    """What a rollout asks: the system and user messages. The dataset's answers are another model's words: the
-    target answers every turn itself, on its own earlier answers."""
-    return [message for message in conversation if message["role"] != "assistant"]
+def rollout_script(conversation: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What a rollout asks: the system and user messages, and the recorded tool results by function, in the order
+    of the calls they answer. The dataset's answers are another model's words: the target answers every turn
+    itself, on its own earlier answers."""
+    script: list[dict[str, Any]] = []
+    order: dict[str, int] = {}
+    for message in conversation:
+        if message["role"] == "assistant":
+            order = {call["id"]: k for k, call in enumerate(message.get("tool_calls") or [])}
+        elif message["role"] == "tool":
+            script.append({"role": "tool", "name": message["name"], "content": message["content"],
+                           "order": order[message["tool_call_id"]]})
+        else:
+            script.append(message)
+    return _in_call_order(script)
 
 
-def rollout_id(script: list[dict[str, str]]) -> str:
+def _in_call_order(script: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run of tool results sorted by the position of its call (`order`, then dropped)."""
+    ordered: list[dict[str, Any]] = []
+    run: list[dict[str, Any]] = []
+    for message in [*script, None]:
+        if message is not None and message["role"] == "tool":
+            run.append(message)
+            continue
+        ordered += [{key: value for key, value in result.items() if key != "order"}
+                    for result in sorted(run, key=lambda result: result["order"])]
+        run = []
+        if message is not None:
+            ordered.append(message)
+    return ordered
+
+
+def rollout_id(script: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
     """A conversation's id: apart from every single prompt's id, so records made under another `data.turns` are
     never taken for a rollout's turns."""
-    return prompt_id([{"role": "rollout", "content": ""}, *script])
+    return prompt_id([{"role": "rollout", "content": ""}, *script], tools)
 
 
 def _is_valid_utf8(text: str) -> bool:
@@ -198,9 +323,11 @@ def _is_valid_utf8(text: str) -> bool:
     return "\ufffd" not in text
 
 
-def prompt_id(messages: list[dict[str, str]]) -> str:
-    """Hash of the messages' canonical JSON: the same conversation gets the same id in any run or source order."""
-    canonical = json.dumps(messages, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+def prompt_id(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+    """Hash of the messages' (and offered tools') canonical JSON: the same conversation gets the same id in any run
+    or source order."""
+    canonical = json.dumps(messages if tools is None else [*messages, {"tools": tools}], sort_keys=True,
+                           ensure_ascii=False, separators=(",", ":"))
     return sha256_hex(canonical.encode("utf-8"))[:16]
 
 
@@ -236,16 +363,18 @@ def write_prompt_shards(
             if not checked:
                 _check_columns(row, fmt, source)
                 checked = True
-            conversation = normalize_messages(row, fmt)
+            conversation = normalize_conversation(row, fmt)
+            tools = row_tools(row)
         except RowRejected as why:
             rejections.append({"row": index, "stage": "prompts", "reason": str(why)})
             continue
         if turns == "rollout":
             prompts = [rollout_script(conversation)]
-            ids = [rollout_id(prompts[0])]
+            ids = [rollout_id(prompts[0], tools)]
         else:
-            prompts = user_turn_prompts(conversation) if turns == "each" else [conversation]
-            ids = [prompt_id(messages) for messages in prompts]
+            asked = _up_to_last_user(conversation)
+            prompts = user_turn_prompts(asked) if turns == "each" else [asked]
+            ids = [prompt_id(messages, tools) for messages in prompts]
         new = [(turn, pid, messages) for turn, (pid, messages) in enumerate(zip(ids, prompts, strict=True))
                if pid not in first_row_of]
         if not new:
@@ -255,11 +384,9 @@ def write_prompt_shards(
         accepted += 1
         for turn, pid, messages in new:
             first_row_of[pid] = index
-            if turns == "rollout":
-                batch.append({"id": pid, "messages": messages, "row": index,
-                              "turns": sum(m["role"] == "user" for m in messages)})
-            else:
-                batch.append({"id": pid, "messages": messages, "row": index, "turn": turn})
+            where = {"turns": user_turns(messages)} if turns == "rollout" else {"turn": turn}
+            offered = {"tools": tools} if tools else {}
+            batch.append({"id": pid, "messages": messages, "row": index, **where, **offered})
             if len(batch) == shard_size:
                 shards.append(store.write_shard("prompts", len(shards), batch))
                 batch = []

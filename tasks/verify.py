@@ -25,7 +25,7 @@ from eagle3_datagen.artifacts import (
     sha256_hex,
     shard_name,
 )
-from eagle3_datagen.conversations import turn_id, turn_messages
+from eagle3_datagen.conversations import Ended, answer_of, next_turn, turn_id
 from eagle3_datagen.hidden_state_format import HiddenStatesError, read_final_norm, read_hidden_state_shard
 from eagle3_datagen.storage import RunStore
 
@@ -192,28 +192,37 @@ def _verify_shard(store: RunStore, index: int, recorded: dict[str, Any], hidden:
 
 def _transcript_problems(name: str, prompts: list[dict[str, Any]], records: list[dict[str, Any]],
                          rejected: list[dict[str, Any]]) -> list[str]:
-    """A rollout's kept turns are its turns 0..k-1, each asked on the answers before it, and the conversation
-    either has every turn or ends with a rejected turn k, with its reason."""
+    """A rollout's kept turns are its turns 0..k-1, each asked on the answers (and paired tool results) before it,
+    and the conversation ends as its last record says (answered in full, or a call without a recorded result) or
+    with a refused turn k."""
     turns: dict[str, list[dict[str, Any]]] = {}
     for record in records:
         turns.setdefault(prompt_id_of(record["id"]), []).append(record)
-    ended = {prompt_id_of(row["id"]): row["id"] for row in rejected}
+    refused = {prompt_id_of(row["id"]): row["id"] for row in rejected}
     problems = []
     for prompt in prompts:
-        kept = sorted(turns.get(prompt["id"], []), key=lambda record: record["turn"])
+        conversation, script = prompt["id"], prompt["messages"]
+        kept = sorted(turns.get(conversation, []), key=lambda record: record["turn"])
+        outputs = [answer_of(record) for record in kept]
         if [record["turn"] for record in kept] != list(range(len(kept))):
-            problems.append(f"{name} generations: conversation {prompt['id']} does not keep turns 0..k in order")
+            problems.append(f"{name} generations: conversation {conversation} does not keep turns 0..k in order")
             continue
-        for record in kept:
-            answers = [earlier["content"] for earlier in kept[: record["turn"]]]
-            if record["messages"] != turn_messages(prompt["messages"], answers):
-                problems.append(f"{name} generations: {record['id']} was not asked on the turns before it")
-        end = ended.get(prompt["id"])
-        if end is not None and end != turn_id(prompt["id"], len(kept)):
-            problems.append(f"{name} generations: {end} is rejected but {len(kept)} turns are kept")
-        elif end is None and len(kept) != prompt["turns"]:
-            problems.append(f"{name} generations: conversation {prompt['id']} ends after {len(kept)} of its "
-                            f"{prompt['turns']} turns without a reason")
+        try:
+            asked = [next_turn(script, outputs[:k]) for k in range(len(kept) + 1)]
+        except ValueError as error:
+            problems.append(f"{name} generations: conversation {conversation}: {error}")
+            continue
+        problems += [f"{name} generations: {record['id']} was not asked on the turns before it"
+                     for record, prompt_messages in zip(kept, asked, strict=False)
+                     if record["messages"] != prompt_messages]
+        end, last = asked[-1], kept[-1] if kept else {}
+        if conversation in refused:
+            if refused[conversation] != turn_id(conversation, len(kept)) or isinstance(end, Ended):
+                problems.append(f"{name} generations: {refused[conversation]} is rejected but {len(kept)} turns "
+                                "are kept")
+        elif not isinstance(end, Ended) or last.get("ended") != end.reason:
+            problems.append(f"{name} generations: conversation {conversation} ends after {len(kept)} turns without "
+                            "its reason")
     return problems
 
 

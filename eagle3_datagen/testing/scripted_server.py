@@ -90,6 +90,8 @@ class Script:
     random_faults: tuple[str, ...] = RANDOM_FAULTS
     unavailable_for: str | None = None  # questions containing this text get HTTP 503 (a shard that fails)
     refused_for: str | None = None  # questions containing this text get HTTP 400 (the prompt's own refusal)
+    # a user question containing a key, asked with `tools`, is answered with calls: (function name, arguments)
+    tool_calls: dict[str, list[tuple[str, dict[str, Any]]]] = field(default_factory=dict)
     seed: int = 0
     think_start: str = "<think>"
     think_end: str = "</think>"
@@ -200,6 +202,16 @@ def _message(question: str, body: dict[str, Any], script: Script) -> dict[str, A
         "other_field": {"thinking": reasoning, "content": content},
     }
     return {"role": "assistant", **shapes[script.shape]}
+
+
+def _with_calls(message: dict[str, Any], question: str, script: Script) -> dict[str, Any]:
+    """The answer as calls, where the script says the question calls tools."""
+    calls = next((calls for key, calls in script.tool_calls.items() if key in question), None)
+    if calls is None:
+        return message
+    return {**message, "content": None, "tool_calls": [
+        {"id": f"chatcmpl-tool-{k}", "type": "function",
+         "function": {"name": name, "arguments": json.dumps(arguments)}} for k, (name, arguments) in enumerate(calls)]}
 
 
 class ScriptedServer:
@@ -319,6 +331,8 @@ class ScriptedServer:
             if fault == "missing":
                 return JSONResponse({"id": "chatcmpl-scripted", "object": "chat.completion"})
             message = _message(question, body, self.script)
+            if body.get("tools") and body["messages"][-1]["role"] == "user":
+                message = _with_calls(message, question, self.script)
             too_long = self._context_refusal(body, message)
             if too_long:
                 return JSONResponse({"error": {"message": too_long, "code": 400}}, status_code=400)
@@ -351,8 +365,8 @@ class ScriptedServer:
                                          **(body.get("chat_template_kwargs") or {}))
         reasoning = message.get("reasoning") or message.get("reasoning_content")
         start = "" if prompt.rstrip().endswith(self.script.think_start) else self.script.think_start
-        completion = message["content"] if reasoning is None else (
-            f"{start}{reasoning}{self.script.think_end}{message['content']}")
+        content = message["content"] or ""
+        completion = content if reasoning is None else f"{start}{reasoning}{self.script.think_end}{content}"
         encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         return encode(prompt), encode(completion + self.script.end_of_turn)
 

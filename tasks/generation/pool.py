@@ -20,7 +20,7 @@ from typing import Generic, TypeVar
 
 from eagle3_datagen.config import ServerConfig
 from eagle3_datagen.errors import Log
-from eagle3_datagen.protocol import UNKNOWN_MODEL, OpenAIClient, RequestFailed
+from eagle3_datagen.protocol import SERVER_SETUP, UNKNOWN_MODEL, OpenAIClient, RequestFailed
 
 ENDPOINT_FAILURES_BEFORE_BACKOFF = 3
 ENDPOINT_MAX_COOLDOWN_S = 30.0
@@ -244,6 +244,9 @@ def refused_all(error: RequestFailed, server: ServerConfig) -> str:
                "or the Secret block named by server.api_key_secret")
     elif UNKNOWN_MODEL.search(str(error)):
         fix = "the server does not serve this model: set model.name to a model in its /v1/models"
+    elif SERVER_SETUP.search(str(error)):
+        fix = ("the dataset offers tools but the server parses no tool calls: start vLLM with "
+               "--enable-auto-tool-choice --tool-call-parser NAME (kimi_k2, hermes, openai...)")
     elif error.status in (404, 405):
         fix = "no chat completions at this URL: set server.endpoints to the server's base URL (http://host:port)"
     else:

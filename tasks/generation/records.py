@@ -28,7 +28,7 @@ import orjson
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sample_id, sha256_hex
 from eagle3_datagen.config import GenerationConfig
-from eagle3_datagen.conversations import turn_id, turn_messages
+from eagle3_datagen.conversations import Ended, answer_of, next_turn, turn_id, user_turns
 from eagle3_datagen.errors import Log, UserError
 from eagle3_datagen.modes import assign_mode
 from eagle3_datagen.profiles import ModelProfile
@@ -95,21 +95,30 @@ def pin_settings(store: RunStore, settings: GenerationSettings) -> tuple[str, bo
 
 @dataclass(frozen=True)
 class Rollout:
-    """Where a rollout's prompt stands in its conversation: the script (system and user messages) and the
-    target's own answers so far."""
+    """Where a rollout's prompt stands in its conversation: the script (system and user messages, recorded tool
+    results) and the target's own answers so far (`content`, `reasoning`, `tool_calls`)."""
 
     conversation: str
     script: list[dict[str, Any]]
-    answers: tuple[str, ...]
-    turns: int  # user turns in the script
+    outputs: tuple[dict[str, Any], ...]
 
     @property
     def turn(self) -> int:
-        return len(self.answers)
+        """This generation's index in its conversation (a tool call and the answer after it are two)."""
+        return len(self.outputs)
 
     @property
-    def last(self) -> bool:
-        return self.turn == self.turns - 1
+    def user_turn(self) -> int:
+        return sum(not output.get("tool_calls") for output in self.outputs)
+
+    @property
+    def user_turns_left(self) -> int:
+        """User turns after this one's."""
+        return user_turns(self.script) - self.user_turn - 1
+
+    def after(self, done: Completion) -> list[dict[str, Any]] | Ended:
+        """The next generation's prompt once `done` answers this one, or why the conversation ends."""
+        return next_turn(self.script, [*self.outputs, answer_of(vars(done))])
 
 
 @dataclass
@@ -119,37 +128,38 @@ class Prompt:
     shard: int
     position: int
     record_id: str
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     seed: int | None
     mode: str | None = None  # None: the profile's default mode, in a run without generation.modes
     rollout: Rollout | None = None  # a turn of a conversation asked on the target's own answers
+    tools: list[dict[str, Any]] | None = None  # functions the model may call
 
-    @property
-    def continues(self) -> bool:
-        """Whether an answer to this prompt is followed by another turn."""
-        return self.rollout is not None and not self.rollout.last
-
-    def next_turn(self, answer: str) -> Prompt:
-        """The conversation's next turn, asked on `answer`."""
-        assert self.rollout is not None and not self.rollout.last
-        return rollout_prompt(self.shard, self.position, self.rollout.conversation, self.rollout.script,
-                              (*self.rollout.answers, answer), self.seed, self.mode)
+    def followed_by(self, done: Completion, messages: list[dict[str, Any]]) -> Prompt:
+        """The conversation's next generation, asked on `messages` once `done` answered this one."""
+        assert self.rollout is not None
+        rollout = Rollout(self.rollout.conversation, self.rollout.script,
+                          (*self.rollout.outputs, answer_of(vars(done))))
+        return Prompt(self.shard, self.position, turn_id(rollout.conversation, rollout.turn), messages, self.seed,
+                      self.mode, rollout, self.tools)
 
     def turn_fields(self) -> dict[str, int]:
         """What a log entry of a rollout's turn carries besides its outcome."""
         return {} if self.rollout is None else {"turn": self.rollout.turn}
 
 
-def rollout_prompt(shard: int, position: int, conversation: str, script: list[dict[str, Any]],
-                   answers: tuple[str, ...], seed: int | None, mode: str | None) -> Prompt:
-    """Turn len(answers) of a conversation."""
-    rollout = Rollout(conversation, script, answers, sum(m["role"] == "user" for m in script))
-    return Prompt(shard, position, turn_id(conversation, rollout.turn), turn_messages(script, list(answers)), seed,
-                  mode, rollout)
+def rollout_prompt(shard: int, position: int, prompt: dict[str, Any], outputs: tuple[dict[str, Any], ...],
+                   seed: int | None, mode: str | None) -> Prompt:
+    """The next generation of a conversation (a prompt shard's row) after the answers it has."""
+    rollout = Rollout(prompt["id"], prompt["messages"], outputs)
+    messages = next_turn(rollout.script, list(outputs))
+    assert not isinstance(messages, Ended), f"{prompt['id']} ended, yet is asked again"
+    return Prompt(shard, position, turn_id(rollout.conversation, rollout.turn), messages, seed, mode, rollout,
+                  prompt.get("tools"))
 
 
-def new_records(prompt: Prompt, completions: list[Completion]) -> list[dict[str, Any]]:
-    """The records of one answered prompt; with `n` samples per prompt, each sample's id gets its own suffix."""
+def new_records(prompt: Prompt, completions: list[Completion], ended: str | None = None) -> list[dict[str, Any]]:
+    """The records of one answered prompt; with `n` samples per prompt, each sample's id gets its own suffix. A
+    rollout's turn records its place (`turn`, `user_turn`) and, on the last, how the conversation `ended`."""
     rollout = prompt.rollout
     return [
         {
@@ -163,7 +173,10 @@ def new_records(prompt: Prompt, completions: list[Completion]) -> list[dict[str,
             "completion_token_ids": done.completion_token_ids,
             "usage": done.usage,
             **({"mode": prompt.mode} if prompt.mode else {}),
-            **({"turn": rollout.turn, "turns": rollout.turns} if rollout else {}),
+            **({"tools": prompt.tools} if prompt.tools else {}),
+            **({"tool_calls": done.tool_calls} if done.tool_calls else {}),
+            **({"turn": rollout.turn, "user_turn": rollout.user_turn} if rollout else {}),
+            **({"ended": ended} if ended else {}),
         }
         for k, done in enumerate(completions)
     ]

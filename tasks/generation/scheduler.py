@@ -26,9 +26,10 @@ from typing import Any
 
 from eagle3_datagen.artifacts import MANIFEST, ShardRef
 from eagle3_datagen.config import ServerConfig, ValidationConfig
+from eagle3_datagen.conversations import answer_of
 from eagle3_datagen.errors import Log
 from eagle3_datagen.profiles import ModeSpec
-from eagle3_datagen.protocol import OpenAIClient, RequestFailed, api_key, build_chat_request
+from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
 from tasks.generation.budget import AUTO_CAP, AUTO_START, follow_load
 from tasks.generation.pool import Endpoint, EndpointPool, HeldRefusals, refused_all, repeated_refusal
@@ -198,11 +199,12 @@ class GenerationScheduler:
             seed = None if seed_base is None else seed_base + prompt["row"]
             mode = self.settings.mode_of(prompt["id"])
             if "turns" not in prompt:
-                prompts.append(Prompt(ref.index, position, prompt["id"], prompt["messages"], seed, mode))
+                prompts.append(Prompt(ref.index, position, prompt["id"], prompt["messages"], seed, mode,
+                                      tools=prompt.get("tools")))
                 continue
-            answers = tuple(json.loads(line)["content"] for line in state.turns.get(position, []))
-            prompts.append(rollout_prompt(ref.index, position, prompt["id"], prompt["messages"], answers, seed, mode))
-            self.total += prompt["turns"] - len(answers) - 1  # `plan` counted one prompt per conversation
+            outputs = tuple(answer_of(json.loads(line)) for line in state.turns.get(position, []))
+            prompts.append(rollout_prompt(ref.index, position, prompt, outputs, seed, mode))
+            self.total += prompts[-1].rollout.user_turns_left  # `plan` counted one prompt per conversation
         return prompts
 
     async def _run(self, prompt_shards: list[ShardRef], clock: StallClock) -> list[ShardRef]:
@@ -326,13 +328,7 @@ class GenerationScheduler:
             return
         keep = self.probation.observe(outcome)
         if outcome.completions and keep:
-            records = new_records(prompt, outcome.completions)
-            if prompt.continues:  # first in line: conversations under way end before new ones start
-                self.states[prompt.shard].append(prompt, records=records)
-                self.queue.appendleft(prompt.next_turn(outcome.completions[0].content))
-            else:
-                self.states[prompt.shard].append(prompt, records=records,
-                                                 **({"ended": "complete"} if prompt.rollout else {}))
+            self._keep_answer(prompt, outcome.completions)
             self.counts.accepted += 1
             self.counts.tokens += int(outcome.completions[0].usage.get("completion_tokens") or 0)
             self._cleared += self._held.answered(outcome.endpoint, outcome.sent)
@@ -350,11 +346,27 @@ class GenerationScheduler:
         elif self.probation.passed:
             self._after_pass(prompt)
 
+    def _keep_answer(self, prompt: Prompt, completions: list[Completion]) -> None:
+        """Log an answer; a rollout's next generation is queued first in line, so conversations under way end
+        before new ones start."""
+        state = self.states[prompt.shard]
+        step = None if prompt.rollout is None else prompt.rollout.after(completions[0])
+        if isinstance(step, list):
+            state.append(prompt, records=new_records(prompt, completions))
+            self.queue.appendleft(prompt.followed_by(completions[0], step))
+            self.total += bool(completions[0].tool_calls)  # the results are asked about in the same user turn
+            return
+        ended = None if step is None else step.reason
+        state.append(prompt, records=new_records(prompt, completions, ended), **({"ended": ended} if ended else {}))
+        if ended is not None and ended != "complete":
+            self._not_going_on(prompt)
+
     def _reject_cleared(self) -> None:
         """Write the refusals known to be their prompts' own."""
         for reason, prompt in self._cleared:
+            where = {} if prompt.rollout is None else {"user_turn": prompt.rollout.user_turn}
             self.states[prompt.shard].append(prompt, rejected={"id": prompt.record_id, "stage": "generations",
-                                                               "reason": reason})
+                                                               "reason": reason, **where})
             self.counts.rejected += 1
             self._not_going_on(prompt)
             if self.probation.passed and self.probation.error is None:
@@ -365,7 +377,7 @@ class GenerationScheduler:
         """A rollout's turn ended its conversation (refused) or stopped it in this attempt (failed): its later
         turns are not asked."""
         if prompt.rollout is not None:
-            self.total -= prompt.rollout.turns - prompt.rollout.turn - 1
+            self.total -= prompt.rollout.user_turns_left
 
     def _drop(self, endpoint: str, cause: str) -> None:
         """Send nothing more to an endpoint that refuses every request; the prompts whose refusals it holds are
@@ -427,7 +439,7 @@ class GenerationScheduler:
         """
         settings = self.settings
         body = build_chat_request(settings.model, prompt.messages, self._mode_specs[prompt.mode], settings.generation,
-                                  seed=prompt.seed)
+                                  seed=prompt.seed, tools=prompt.tools)
         attempt = 0
         while True:
             if slot is None:
@@ -463,7 +475,7 @@ class GenerationScheduler:
                 self.pool.give_back(endpoint, trial)
                 raise
             carry_on = self.probation.passed and self.probation.error is None and (bool(self.queue) or
-                                                                                   prompt.continues)
+                                                                                   prompt.rollout is not None)
             kept = self.pool.release(endpoint, trial, None, carry_on)
             return Outcome(endpoint.url, completions=completions, mode=prompt.mode, sent=sent), slot if kept else None
 

@@ -163,8 +163,9 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
     }
     if by_turn:
         totals["conversations"] = sum(s["prompts"]["records"] for s in shards.values())
-        totals["conversations answered in full"] = sum(s.get("generations", {}).get("conversations_complete", 0)
-                                                       for s in shards.values())
+        totals["conversations answered in full"] = sum(row["answered in full"] for row in by_turn)
+    if tool_calls := sum(s.get("generations", {}).get("samples_with_tool_calls", 0) for s in shards.values()):
+        totals["samples with tool calls"] = tool_calls
     if fidelity := fp8_fidelity(shards):
         totals["fp8 cosine to the model-dtype states"] = fidelity
     for title, png in plots.items():

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 from eagle3_datagen.artifacts import MANIFEST
+from eagle3_datagen.conversations import TOOL_RESULT_MISSING
 from eagle3_datagen.storage import RunStore
 
 
@@ -72,16 +73,19 @@ def mode_rows(shards: dict[str, dict[str, Any]], weights: dict[str, float], last
 
 
 def turn_rows(shards: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """What the report says of each turn of a run's rollouts (none without): samples generated at that turn, and
-    conversations the server's refusal of that turn ended there."""
-    generated: Counter[int] = Counter()
-    refused: Counter[int] = Counter()
+    """What the report says of each user turn of a run's rollouts (none without): its samples (a tool call and
+    the answer after its results are two), those with tool calls, and the conversations that ended there, by
+    reason."""
+    counts: dict[int, Counter[str]] = {}
     for status in shards.values():
         gen = status.get("generations", {})
-        generated.update({int(turn): count for turn, count in gen.get("turns", {}).items()})
-        refused.update({int(turn): count for turn, count in gen.get("rejected_by_turn", {}).items()})
-    return [{"turn": turn, "samples": generated[turn], "conversations ended here (refused)": refused[turn]}
-            for turn in sorted(generated | refused)]
+        for turn, of_turn in gen.get("user_turns", {}).items():
+            counts.setdefault(int(turn), Counter()).update(of_turn)
+        for turn, refused in gen.get("rejected_by_turn", {}).items():
+            counts.setdefault(int(turn), Counter())["refused"] += refused
+    return [{"user turn": turn, "samples": counts[turn]["samples"], "with tool calls": counts[turn]["with tool calls"],
+             "answered in full": counts[turn]["complete"], "ended: refused": counts[turn]["refused"],
+             f"ended: {TOOL_RESULT_MISSING}": counts[turn][TOOL_RESULT_MISSING]} for turn in sorted(counts)]
 
 
 def _table(rows: list[dict[str, Any]]) -> list[str]:

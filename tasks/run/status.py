@@ -16,7 +16,6 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sha256_hex
-from eagle3_datagen.conversations import turn_of
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunStore, iter_jsonl
 
@@ -46,8 +45,8 @@ def _generations_summary(data: bytes, end_id: int, profile: ModelProfile) -> dic
     that think."""
     reasoning_lengths, answer_lengths, records, with_reasoning, truncated = [], [], 0, 0, 0
     by_mode: dict[str, dict[str, int]] = {}
-    by_turn: Counter[str] = Counter()  # a rollout's samples per turn index
-    complete = 0  # a rollout's conversations answered in full
+    by_turn: dict[str, Counter[str]] = {}  # per user turn of a rollout: samples, with tool calls, endings
+    tool_calls = 0
     for record in iter_jsonl(data):
         mode = profile.mode_of(record)
         thinks = profile.mode(mode).thinks
@@ -66,9 +65,13 @@ def _generations_summary(data: bytes, end_id: int, profile: ModelProfile) -> dic
         counts["with_reasoning"] += has_reasoning
         counts["reasoning_tokens"] += reasoning
         counts["answer_tokens"] += answer
+        tool_calls += bool(record.get("tool_calls"))
         if "turn" in record:
-            by_turn[str(record["turn"])] += 1
-            complete += record["turn"] == record["turns"] - 1
+            counts_of_turn = by_turn.setdefault(str(record["user_turn"]), Counter())
+            counts_of_turn["samples"] += 1
+            counts_of_turn["with tool calls"] += bool(record.get("tool_calls"))
+            if "ended" in record:
+                counts_of_turn[record["ended"]] += 1
     return {
         "records": records,
         "reasoning_coverage": with_reasoning / max(1, len(reasoning_lengths)),
@@ -78,7 +81,8 @@ def _generations_summary(data: bytes, end_id: int, profile: ModelProfile) -> dic
         "reasoning_lengths": reasoning_lengths,
         "answer_lengths": answer_lengths,
         "modes": by_mode,
-        **({"turns": dict(by_turn), "conversations_complete": complete} if by_turn else {}),
+        **({"samples_with_tool_calls": tool_calls} if tool_calls else {}),
+        **({"user_turns": {turn: dict(counts) for turn, counts in by_turn.items()}} if by_turn else {}),
     }
 
 
@@ -107,7 +111,7 @@ def _rejected(store: RunStore, path: str, mode_of: Callable[[str], str]) -> dict
     needs no record."""
     rows = store.read_jsonl(path) if store.exists(path) else []
     by_mode = Counter(mode_of(row["id"]) for row in rows)
-    by_turn = Counter(str(turn) for row in rows if (turn := turn_of(row["id"])) is not None)
+    by_turn = Counter(str(row["user_turn"]) for row in rows if "user_turn" in row)
     return {"rejected": by_mode.total(), "rejected_by_mode": dict(by_mode),
             **({"rejected_by_turn": dict(by_turn)} if by_turn else {})}
 

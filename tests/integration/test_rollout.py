@@ -15,10 +15,11 @@ from typing import Any
 from test_generation_faults import run_generation
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path
-from eagle3_datagen.conversations import turn_messages
+from eagle3_datagen.conversations import TOOL_RESULT_MISSING, Ended, answer_of, next_turn
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_content
 from tasks.prompts import write_prompt_shards
+from tasks.verify import verify_run
 
 
 def conversations(count: int, turns: int) -> list[dict[str, Any]]:
@@ -52,10 +53,9 @@ def assert_transcripts(store: RunStore, refs: list[ShardRef]) -> dict[str, list[
     for conversation, kept in turns.items():
         assert [r["turn"] for r in kept] == list(range(len(kept))), f"{conversation}: turns out of order or twice"
         for record in kept:
-            answers = [earlier["content"] for earlier in kept[: record["turn"]]]
-            assert record["messages"] == turn_messages(scripts[conversation]["messages"], answers)
-            assert record["content"] == expected_content(record["messages"][-1]["content"])
-            assert record["turns"] == scripts[conversation]["turns"]
+            earlier = [answer_of(r) for r in kept[: record["turn"]]]
+            assert record["messages"] == next_turn(scripts[conversation]["messages"], earlier)
+            assert record.get("tool_calls") or record["content"] == expected_content(record["messages"][-1]["content"])
     return turns
 
 
@@ -132,3 +132,48 @@ def test_a_killed_rollout_resumes_at_each_conversations_next_turn_and_asks_no_an
     assert len(asked_after) == len(set(asked_after)) == 96 - len(answered_before)
     turns = assert_transcripts(store, refs)
     assert sorted(map(len, turns.values())) == [4] * 24
+
+
+CALLS = {**{f"weather in {city}?": [("get_weather", {"city": city})]
+            for city in ("Tokyo", "Paris", "Rome", "Oslo", "Cairo", "Lima")},
+         "weather in Paris and in Rome?": [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})],
+         "weather in Oslo and in Cairo?": [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Cairo"})],
+         "time is it in Tokyo?": [("get_time", {"city": "Tokyo"})],
+         "time is it in Lima?": [("get_time", {"city": "Lima"})],
+         "time is it in Cairo?": [("get_time", {"city": "Cairo"})]}  # the dataset recorded no get_time there
+
+
+def tool_call_rows() -> list[dict[str, Any]]:
+    path = Path(__file__).parents[2] / "eagle3_datagen" / "data" / "demo_tool_calls.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_tool_calls_are_paired_with_the_recorded_results_and_a_call_without_one_ends_its_conversation(
+        tmp_path: Path) -> None:
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(tool_call_rows(), store, 5, turns="rollout").shards
+    with ScriptedServer(Script(tool_calls=CALLS)) as server:
+        run_generation(store, refs, [server.url], budget=3)
+        bodies = list(server.log.bodies)
+    assert all(body["tools"][0]["function"]["name"] == "get_weather" and body["tool_choice"] == "auto"
+               for body in bodies), "every request offers the row's tools"
+    turns = assert_transcripts(store, refs)
+    records = [r for kept in turns.values() for r in kept]
+    assert len(records) == len(bodies) == 6 * 2 + 2 * 2 + 2 * 4 + 1 + 1, "each call and each answer is a sample"
+    ends = {kept[-1]["messages"][0]["content"]: kept[-1]["ended"] for kept in turns.values()}
+    assert ends.pop("What time is it in Cairo?") == TOOL_RESULT_MISSING
+    assert set(ends.values()) == {"complete"}
+    call, answer = next(kept for kept in turns.values() if kept[0]["messages"][-1]["content"].endswith("and in Rome?"))
+    assert [c["function"]["name"] for c in call["tool_calls"]] == ["get_weather", "get_weather"]
+    assert answer["messages"][-3:] == [
+        {"role": "assistant", "content": "", "tool_calls": call["tool_calls"], "reasoning": call["reasoning"]},
+        {"role": "tool", "tool_call_id": "chatcmpl-tool-0", "content": "rain, 14 C"},
+        {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "clear, 25 C"}]
+    assert "tool_calls" not in answer and answer["user_turn"] == call["user_turn"] == 0
+    second_day = next(kept for kept in turns.values() if len(kept) == 4)
+    assert [r["user_turn"] for r in second_day] == [0, 0, 1, 1]
+    assert second_day[2]["messages"][-2] == {"role": "assistant", "content": second_day[1]["content"]}, \
+        "an answered user turn goes back as its content only"
+    assert verify_run(store).problems == []
+    assert isinstance(next_turn(store.read_jsonl(refs[0].path)[0]["messages"], []), list)
+    assert isinstance(next_turn([{"role": "user", "content": "q"}], [{"content": "a", "reasoning": ""}]), Ended)

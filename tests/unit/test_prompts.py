@@ -137,7 +137,7 @@ def test_local_sources_that_are_not_data_are_refused(tmp_path: Path) -> None:
         (openai(("user", 5)), "content is int, not a string"),
         (openai(("user", [{"type": "text", "text": "hi"}])), "content is list, not a string"),
         (openai(("system", None), ("user", "hi")), "content is NoneType, not a string"),
-        (openai(("tool", "x"), ("user", "hi")), "unknown role 'tool'"),
+        (openai(("tool", "x"), ("user", "hi")), "turn 0 is a tool result without a call before it"),
         (openai(("system", "s"), ("assistant", "a")), "no user turn"),
         (openai(), "no user turn"),
         (openai(("user", "bad \ud800 surrogate")), "text is not valid UTF-8"),
@@ -381,3 +381,60 @@ def test_verify_names_files_of_shards_the_prompts_no_longer_have(tmp_path: Path)
     store.write_bytes("sequences/shard-00001.parquet", b"left by a layout of two shards")
     assert "1 files of shards the prompts no longer have, e.g. sequences/shard-00001.parquet: a folder read whole " \
            "would hold their prompts twice (run the pipeline again)" in verify_run(store).problems
+
+
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def test_function_calling_rows_are_read_in_the_openai_and_the_sharegpt_shapes(tmp_path: Path) -> None:
+    """OpenAI `tool_calls`/`tool` messages and LLaMA-Factory's `function_call`/`observation` turns with a `tools`
+    JSON column give one conversation: each result knows the function it answers, the tools are offered."""
+    openai_row = {"tools": [{"type": "function", "function": WEATHER}], "messages": [
+        {"role": "user", "content": "Weather in Oslo and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+            {"id": "b", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+        {"role": "tool", "tool_call_id": "b", "content": "sun"},
+        {"role": "tool", "tool_call_id": "a", "content": "snow"},
+        {"role": "assistant", "content": "Snow in Oslo, sun in Rome."}]}
+    sharegpt_row = {"tools": json.dumps([WEATHER]), "conversations": [
+        {"from": "human", "value": "Weather in Lima?"},
+        {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Lima"}})},
+        {"from": "observation", "value": "clouds"},
+        {"from": "gpt", "value": "Cloudy."}]}
+    store = RunStore(str(tmp_path), "run")
+    result = write_prompt_shards([openai_row, sharegpt_row], store, 8, turns="rollout")
+    first, second = store.read_jsonl(result.shards[0].path)
+    assert first["messages"] == [{"role": "user", "content": "Weather in Oslo and Rome?"},  # in the calls' order
+                                 {"role": "tool", "name": "get_weather", "content": "snow"},
+                                 {"role": "tool", "name": "get_weather", "content": "sun"}]
+    assert second["messages"] == [{"role": "user", "content": "Weather in Lima?"},
+                                  {"role": "tool", "name": "get_weather", "content": "clouds"}]
+    assert first["tools"] == second["tools"] == [{"type": "function", "function": WEATHER}]
+    assert first["turns"] == second["turns"] == 1
+    # asked one prompt per user turn, the dataset's calls and results stay in the history as the protocol sends them
+    follow_up = {**openai_row, "messages": [*openai_row["messages"], {"role": "user", "content": "And Lima?"}]}
+    prompt = normalize_messages(follow_up)
+    assert prompt[1]["tool_calls"][1]["function"]["arguments"] == '{"city": "Rome"}'
+    assert prompt[2] == {"role": "tool", "tool_call_id": "b", "content": "sun"}
+
+
+def test_the_offered_tools_are_part_of_a_prompts_id() -> None:
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    assert prompt_id(messages) != prompt_id(messages, [{"type": "function", "function": WEATHER}])
+    assert prompt_id(messages, None) == prompt_id(messages)
+
+
+@pytest.mark.parametrize(("row", "reason"), [
+    ({**openai(("user", "q")), "tools": "{not json"}, "tools is not JSON"),
+    ({**openai(("user", "q")), "tools": [{"description": "nameless"}]}, "a tool in tools has no name"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"id": "x"}]}]},
+     "turn 1 tool_calls is not a list of {id, function: {name, arguments}}"),
+    (sharegpt(("user", "q"), ("function_call", "not json")), "turn 1 function_call is not JSON"),
+])
+def test_a_bad_function_calling_row_is_rejected_with_its_reason(tmp_path: Path, row: dict[str, Any],
+                                                                  reason: str) -> None:
+    store = RunStore(str(tmp_path), "run")
+    write_prompt_shards([row, question(1)], store, 8, turns="rollout")
+    [rejection] = store.read_jsonl(REJECTED_PATH)
+    assert rejection["reason"] == reason
