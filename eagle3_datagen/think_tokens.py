@@ -77,15 +77,44 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[l
     return [encoding.ids for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
 
 
+def as_served(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as vLLM hands them to the template: an earlier answer's `reasoning` is also its
+    `reasoning_content`, the name other templates read."""
+    return [{**m, "reasoning_content": m["reasoning"]} if m["role"] == "assistant" and "reasoning" in m else m
+            for m in messages]
+
+
 def render_generation_prompt(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], profile: ModelProfile, mode: str | None = None
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], profile: ModelProfile, mode: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """The prompt text exactly as the server renders it: generation prompt on, switched into `mode` (None: the
-    default mode) as the request switches it (see `build_chat_request`)."""
+    default mode) as the request switches it (see `build_chat_request`), offering `tools`."""
     spec = profile.mode(mode)
-    return tokenizer.apply_chat_template(
-        with_system_prompt(messages, spec), tokenize=False, add_generation_prompt=True, **spec.template_variables()
-    )
+    return tokenizer.apply_chat_template(as_served(with_system_prompt(messages, spec)), tools=tools, tokenize=False,
+                                         add_generation_prompt=True, **spec.template_variables())
+
+
+def tool_calls_text(tokenizer: PreTrainedTokenizerBase, record: dict[str, Any], profile: ModelProfile,
+                    spec: ThinkTokenSpec) -> str | None:
+    """The text the served template writes for a record's tool calls, between its answer and the end of turn:
+    what the model generated there. None when the template does not render the answer as the record's own
+    reasoning, end tag and content followed by the calls (a text rebuild cannot place them)."""
+    mode = profile.mode_of(record)
+    thinks = profile.mode(mode).thinks
+    prompt = render_generation_prompt(tokenizer, record["messages"], profile, mode, record.get("tools"))
+    answer = {"role": "assistant", "content": record["content"] or "", "tool_calls": record["tool_calls"],
+              "reasoning": record["reasoning"]}
+    spoken = as_served(with_system_prompt([*record["messages"], answer], profile.mode(mode)))
+    full = tokenizer.apply_chat_template(spoken, tools=record.get("tools"), tokenize=False,
+                                         add_generation_prompt=False, **profile.mode(mode).template_variables())
+    head = (("" if spec.template_writes_start_tag else spec.think_start) + record["reasoning"] + spec.think_end
+            if thinks else "") + (record["content"] or "")
+    if not full.startswith(prompt + head):
+        return None
+    calls = full[len(prompt) + len(head):]
+    end = calls.rfind(spec.end_of_turn)
+    return calls[:end] if end >= 0 else calls
 
 
 def discover_think_tokens(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile) -> ThinkTokenSpec:

@@ -39,6 +39,7 @@ from eagle3_datagen.think_tokens import (
     encode_texts,
     load_tokenizer,
     render_generation_prompt,
+    tool_calls_text,
 )
 
 SCHEMA = pa.schema([
@@ -93,9 +94,10 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def completion_ids_from_text(
     reasoning_ids: list[int], content_ids: list[int], record: dict[str, Any], spec: ThinkTokenSpec,
-    thinks: bool = True,
+    thinks: bool = True, calls_ids: list[int] | None = None,
 ) -> list[int]:
-    """Start tag (if the model writes it), reasoning, end tag, content, end of turn; truncation cuts the tail.
+    """Start tag (if the model writes it), reasoning, end tag, content, tool calls, end of turn; truncation cuts
+    the tail.
 
     In a mode that does not think (instant) the prompt closed the think block: content and end of turn only.
     """
@@ -103,7 +105,7 @@ def completion_ids_from_text(
     truncated = record["finish_reason"] == "length"
     if truncated and not record["content"]:
         return ids
-    ids += [*([spec.end_id] if thinks else []), *content_ids]
+    ids += [*([spec.end_id] if thinks else []), *content_ids, *(calls_ids or [])]
     return ids if truncated else [*ids, spec.end_of_turn_id]
 
 
@@ -180,18 +182,22 @@ def _needs_text(record: dict[str, Any], settings: SequencesConfig) -> bool:
 
 
 def text_rebuilds(records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, profile: ModelProfile,
-                   spec: ThinkTokenSpec) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) rebuilt from each record's text in its own mode, batch-tokenized."""
+                   spec: ThinkTokenSpec) -> list[tuple[list[int], list[int]] | None]:
+    """(prompt ids, completion ids) rebuilt from each record's text in its own mode, batch-tokenized; None for a
+    record whose tool calls the template renders where a rebuild cannot place them."""
     if not records:
         return []
     encode = lambda texts: encode_texts(tokenizer, texts)  # noqa: E731
     modes = [profile.mode_of(r) for r in records]
-    prompt_ids = encode([render_generation_prompt(tokenizer, r["messages"], profile, mode)
+    prompt_ids = encode([render_generation_prompt(tokenizer, r["messages"], profile, mode, r.get("tools"))
                          for r, mode in zip(records, modes, strict=True)])
     reasoning_ids = encode([r["reasoning"] for r in records])
     content_ids = encode([r["content"] or "" for r in records])
-    return [(prompt_ids[i], completion_ids_from_text(reasoning_ids[i], content_ids[i], record, spec,
-                                                     profile.mode(modes[i]).thinks))
+    calls = [tool_calls_text(tokenizer, r, profile, spec) if r.get("tool_calls") else "" for r in records]
+    calls_ids = encode([text or "" for text in calls])
+    return [None if calls[i] is None else
+            (prompt_ids[i], completion_ids_from_text(reasoning_ids[i], content_ids[i], record, spec,
+                                                     profile.mode(modes[i]).thinks, calls_ids[i]))
             for i, record in enumerate(records)]
 
 
@@ -232,6 +238,10 @@ def build_sequences(
         agrees = diff is None if compared else None
         if has_ids and settings.source != "text":
             prompt, completion, source = server_prompt, server_completion, "server"
+        elif text[i] is None:
+            shard.reject(record["id"], "the chat template renders this answer's tool calls where a text rebuild "
+                                       "cannot place them: serve with token ids (sequences.source: auto)")
+            continue
         else:
             prompt, completion, source = text_prompt, text_completion, "text"
             shard.rebuilt_from_text += 1

@@ -7,7 +7,7 @@ training set, and its task fails so the run says so.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -22,7 +22,7 @@ from eagle3_datagen.config import ValidationConfig
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunStore
-from eagle3_datagen.think_tokens import ThinkTokenSpec, discover_think_tokens, load_tokenizer
+from eagle3_datagen.think_tokens import ThinkTokenSpec, discover_think_tokens, load_tokenizer, tool_calls_text
 
 
 class ShardQuarantined(UserError):
@@ -67,8 +67,9 @@ class ShardValidation:
 
 
 def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec, closed: bool = True,
-                             thinks: bool = True) -> str:
-    """The completion text the server's token ids should decode to, rebuilt from reasoning and content.
+                             thinks: bool = True, calls: str = "") -> str:
+    """The completion text the server's token ids should decode to, rebuilt from reasoning, content and the
+    template's text of the record's tool `calls`.
 
     `closed`: the ids hold a think-end id (a model that never closed its reasoning has none to decode).
     `thinks`: the record's mode thinks; in one that does not (instant) the template closed the think block.
@@ -76,8 +77,18 @@ def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec, close
     text = ("" if spec.template_writes_start_tag or not thinks else spec.think_start) + record["reasoning"]
     if record["finish_reason"] == "length" and not record["content"]:
         return text
-    text += (spec.think_end if closed else "") + (record["content"] or "")
-    return text + spec.end_of_turn if record["finish_reason"] == "stop" else text
+    text += (spec.think_end if closed else "") + (record["content"] or "") + calls
+    return text + spec.end_of_turn if record["finish_reason"] in ("stop", "tool_calls") else text
+
+
+def _decodes_differently(decoded: str, record: dict[str, Any], spec: ThinkTokenSpec, closed: bool, thinks: bool,
+                         render_calls: Callable[[dict[str, Any]], str | None] | None) -> bool:
+    if not record.get("tool_calls"):
+        return decoded != expected_completion_text(record, spec, closed, thinks)
+    calls = render_calls(record) if render_calls is not None else None
+    if calls is None:
+        return not decoded.startswith(expected_completion_text({**record, "finish_reason": None}, spec, closed, thinks))
+    return decoded != expected_completion_text(record, spec, closed, thinks, calls)
 
 
 def validate_records(
@@ -87,12 +98,14 @@ def validate_records(
     thresholds: ValidationConfig,
     decode: Any | None = None,
     spec: ThinkTokenSpec | None = None,
+    render_calls: Callable[[dict[str, Any]], str | None] | None = None,
 ) -> ShardValidation:
     """Count what can silently ruin training data and decide pass or quarantine, in one pass over the records.
 
     Each record is held to its own mode: one that thinks must carry reasoning and close it at most once (a record
     that never closed it is kept, counted as `unclosed_reasoning`); one answered without reasoning (instant) must
-    carry none and no think-end id.
+    carry none and no think-end id. A record with tool calls may have no content; its ids must decode to its
+    text and the calls as the template writes them (`render_calls`; where it cannot, its text must lead them).
     """
     tags = (profile.think_start, profile.think_end)
     ids: Counter[str] = Counter()
@@ -107,7 +120,7 @@ def validate_records(
         counts["thinking_records"] += thinking
         counts["empty_reasoning"] += thinking and not has_reasoning
         counts["unexpected_reasoning"] += not thinking and has_reasoning
-        counts["empty_content"] += not content.strip()
+        counts["empty_content"] += not content.strip() and not record.get("tool_calls")
         counts["truncated"] += record["finish_reason"] == "length"
         counts["leaked_tags"] += any(t in record["reasoning"] or t in content for t in tags)
         counts["reasoning_split_inline"] += record.get("reasoning_source") == "inline"
@@ -115,8 +128,8 @@ def validate_records(
         if decode is None or spec is None or token_ids is None:
             continue
         ends = token_ids.count(spec.end_id)
-        counts["token_text_mismatch"] += decode(token_ids) != expected_completion_text(record, spec, ends > 0,
-                                                                                         thinking)
+        counts["token_text_mismatch"] += _decodes_differently(decode(token_ids), record, spec, ends > 0, thinking,
+                                                              render_calls)
         counts["think_end_miscount"] += ends > (1 if thinking else 0)
         counts["unclosed_reasoning"] += thinking and ends == 0 and record["finish_reason"] != "length"
     checks = ("empty_reasoning", "unexpected_reasoning", "empty_content", "truncated", "leaked_tags",
@@ -202,7 +215,8 @@ def validate_generations(
     tok = load_tokenizer(tokenizer)
     spec = discover_think_tokens(tok, profile) if profile.single_token_tags else None
     report = validate_records(generations.index, records, profile, thresholds,
-                              lambda ids: tok.decode(ids, skip_special_tokens=False), spec)
+                              lambda ids: tok.decode(ids, skip_special_tokens=False), spec,
+                              lambda record: tool_calls_text(tok, record, profile, spec) if spec else None)
     path = artifact_path("validation", generations.index)
     store.write_json(path, {**report.as_dict(), "generations_sha256": generations.sha256})
     create_markdown_artifact(key=ui_key(run_name, f"validation-{shard_name(generations.index)}"),

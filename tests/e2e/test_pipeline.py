@@ -154,9 +154,12 @@ def test_a_rollout_regenerates_each_turn_on_its_own_answers_through_every_stage(
                for line in f.read_text().splitlines()]
     assert verification.prompts == 40 and verification.samples == len(records) == 41, "two rows of two turns"
     assert (manifest["totals"]["conversations"], manifest["totals"]["conversations answered in full"]) == (40, 39)
-    assert manifest["turns"] == [{"turn": 0, "samples": 40, "conversations ended here (refused)": 0},
-                                 {"turn": 1, "samples": 1, "conversations ended here (refused)": 1}]
-    assert "| turn | samples | conversations ended here (refused) |" in (run / "report.md").read_text()
+    ends = {"ended: refused": 0, "ended: tool_result_missing": 0}
+    assert manifest["turns"] == [
+        {"user turn": 0, "samples": 40, "with tool calls": 0, "answered in full": 38, **ends},
+        {"user turn": 1, "samples": 1, "with tool calls": 0, "answered in full": 1, **ends, "ended: refused": 1}]
+    assert "| user turn | samples | with tool calls | answered in full | ended: refused |" in \
+        (run / "report.md").read_text()
     second_turns = [r for r in records if r["turn"] == 1]
     for second in second_turns:
         first = next(r for r in records if r["id"] == second["id"].replace(":turn1", ":turn0"))

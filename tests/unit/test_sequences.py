@@ -296,3 +296,37 @@ def test_reasoning_in_an_instant_record_is_refused(kimi, spec) -> None:  # type:
     _, [refused] = _build(kimi, spec, [_record("2+2?", "I think anyway.", "4", mode="instant",
                                                usage={"prompt_tokens": 1, "completion_tokens": 1})])
     assert refused["reason"].startswith("reasoning in a record of mode 'instant', answered without reasoning")
+
+
+def test_a_kimi_tool_call_is_rebuilt_from_text_as_the_model_generated_it(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    """A tool call's ids, as the model generates them (vLLM's kimi_k2 tool parser takes the calls out of the
+    text), are rebuilt from the record with the template's own rendering of the calls; validation reads them as
+    the record's text and calls."""
+    from eagle3_datagen.config import ValidationConfig
+    from eagle3_datagen.think_tokens import tool_calls_text
+    from tasks.validation import validate_records
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    calls = [{"id": "functions.get_weather:0", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}]
+    record = _record("What is the weather in Tokyo?", "I should look it up.", "", "tool_calls", tools=tools,
+                     tool_calls=calls)
+    section = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+               '{"city": "Tokyo"}<|tool_call_end|><|tool_calls_section_end|>')
+    assert tool_calls_text(kimi, record, KIMI, spec) == section
+    prompt = kimi.apply_chat_template(record["messages"], tools=tools, add_generation_prompt=True, thinking=True,
+                                      return_dict=True)["input_ids"]
+    completion = kimi.encode(f"I should look it up.</think>{section}<|im_end|>", add_special_tokens=False)
+    served = {**record, "prompt_token_ids": prompt, "completion_token_ids": completion,
+              "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion)}}
+    [sequence], rejected = _build(kimi, spec, [served])
+    assert rejected == [] and sequence.agrees is True and sequence.input_ids == prompt + completion
+    [rebuilt], _ = _build(kimi, spec, [served], source="text")
+    assert rebuilt.input_ids == prompt + completion, "the text rebuild places the calls where the model wrote them"
+    decode = lambda ids: kimi.decode(ids, skip_special_tokens=False)  # noqa: E731
+    report = validate_records(0, [served], KIMI, ValidationConfig(), decode, spec,
+                              lambda r: tool_calls_text(kimi, r, KIMI, spec))
+    assert (report.token_text_mismatch, report.empty_content, report.status) == (0, 0, "pass")
+    lost = {**served, "completion_token_ids": completion[:-8] + completion[-1:]}  # a call cut short
+    assert validate_records(0, [lost], KIMI, ValidationConfig(), decode, spec,
+                            lambda r: tool_calls_text(kimi, r, KIMI, spec)).token_text_mismatch == 1
