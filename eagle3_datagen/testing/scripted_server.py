@@ -92,6 +92,7 @@ class Script:
     refused_for: str | None = None  # questions containing this text get HTTP 400 (the prompt's own refusal)
     # a user question containing a key, asked with `tools`, is answered with calls: (function name, arguments)
     tool_calls: dict[str, list[tuple[str, dict[str, Any]]]] = field(default_factory=dict)
+    tool_parser: bool = True  # False: a request with tool_choice auto gets vLLM's 400, as without the flags
     seed: int = 0
     think_start: str = "<think>"
     think_end: str = "</think>"
@@ -326,6 +327,9 @@ class ScriptedServer:
                 status = int(fault.removeprefix("http-"))
                 return JSONResponse({"error": {"message": f"scripted failure {status}", "code": status}},
                                     status_code=status)
+            if body.get("tool_choice") == "auto" and not self.script.tool_parser:
+                return JSONResponse({"error": {"message": '"auto" tool choice requires --enable-auto-tool-choice and '
+                                               "--tool-call-parser to be set", "code": 400}}, status_code=400)
             if fault == "malformed":
                 return Response('{"choices": [', media_type="application/json")
             if fault == "missing":

@@ -12,12 +12,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from test_generation_faults import run_generation
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path
 from eagle3_datagen.conversations import TOOL_RESULT_MISSING, Ended, answer_of, next_turn
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_content
+from tasks.generation import GenerationError
 from tasks.prompts import write_prompt_shards
 from tasks.verify import verify_run
 
@@ -177,3 +179,14 @@ def test_tool_calls_are_paired_with_the_recorded_results_and_a_call_without_one_
     assert verify_run(store).problems == []
     assert isinstance(next_turn(store.read_jsonl(refs[0].path)[0]["messages"], []), list)
     assert isinstance(next_turn([{"role": "user", "content": "q"}], [{"content": "a", "reasoning": ""}]), Ended)
+
+
+def test_a_server_that_parses_no_tool_calls_stops_the_run_naming_the_flags(tmp_path: Path) -> None:
+    """vLLM without --enable-auto-tool-choice refuses every request that offers tools: that is the server's setup,
+    not each prompt's refusal, so nothing is written off as rejected."""
+    store = RunStore(str(tmp_path), "run")
+    refs = write_prompt_shards(tool_call_rows(), store, 12, turns="rollout").shards
+    with ScriptedServer(Script(tool_parser=False)) as server, pytest.raises(GenerationError) as stopped:
+        run_generation(store, refs, [server.url], budget=2)
+    assert "--enable-auto-tool-choice --tool-call-parser NAME" in str(stopped.value)
+    assert not store.exists(rejected_path("generations", 0))
