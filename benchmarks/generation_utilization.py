@@ -7,6 +7,8 @@ request the client sends counts, probes too) and report it at /stats. Phases (se
   clients    the HTTP client's CPU per request: the project's against raw aiohttp and the openai SDK's two transports;
   auto       `server.max_in_flight: auto` against a sweep of fixed budgets on the real vLLM CPU server;
   shared     the stage alone, every shard at once on one budget per endpoint, against an ideal client;
+  rollout    multi-turn conversations regenerated turn by turn (data.turns: rollout) against the same number of
+             single-turn prompts, in one run: the budget stays full though each turn waits for the one before;
   per-shard  shards one after another, each with its own pool, extrapolated to all;
   cpu        the stage alone at zero server latency: the client's CPU time per request.
 
@@ -50,6 +52,7 @@ from eagle3_datagen.protocol import OpenAIClient, build_chat_request, parse_chat
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, scripted_latency
 from tasks.generation import GenerationSettings, generate_shards
+from tasks.prompts import write_prompt_shards
 
 PROBATION = 1  # ValidationConfig.early_abort_after: the smallest window (the first request runs alone)
 SETTINGS = GenerationSettings("scripted-model", BUILTIN_PROFILES["qwen3"], GenerationConfig(max_tokens=64), "bench")
@@ -230,6 +233,35 @@ def shared_phase(args: argparse.Namespace, scripts: list[Script], draws: list[li
     print(f"  run time ÷ lower bound {wall / bound:.2f} (bound {bound:.1f}s);  run time ÷ ideal client "
           f"{wall / ideal.makespan_s:.2f} (ideal client {ideal.makespan_s:.1f}s)")
     return wall
+
+
+def rollout_phase(args: argparse.Namespace, tmp: str) -> None:
+    """Conversations of `--rollout-turns` user turns, each turn asked the moment the one before it returns, against
+    as many single-turn prompts, in one run on one server at the end-to-end runs' budget."""
+    conversations, turns, budget = args.rollout_conversations, args.rollout_turns, CLI_BUDGET
+    requests = conversations * turns
+    print(f"\n[rollout] {conversations} conversations × {turns} user turns = {requests} requests against {requests} "
+          f"single-turn prompts; budget {budget} on one endpoint, latency median "
+          f"{args.rollout_median_s}s, log-normal sigma {args.sigma}")
+    rows = [{"messages": [{"role": "user", "content": f"conversation {c} question {t}"} for t in range(turns)]}
+            for c in range(conversations)]
+    scripts = [Script(latency_s=args.rollout_median_s, latency_sigma=args.sigma, seed=args.seed)]
+    figures = {}
+    for name in ("single-turn", "rollout"):
+        with Servers(scripts) as servers:
+            store = RunStore(tmp, f"rollout-{name}")
+            refs = (write_prompt_shards(rows, store, args.shard_size, turns="rollout").shards if name == "rollout"
+                    else write_prompts(store, requests, args.shard_size, topic=name))
+            t0 = time.monotonic()
+            run_generation(store, refs, servers.urls, budget)
+            wall, stats = time.monotonic() - t0, servers.stats()
+        if sum(s["requests"] for s in stats) != requests:
+            raise RuntimeError(f"{name}: {sum(s['requests'] for s in stats)} requests for {requests}")
+        _, full, _, dispatch = utilization(stats, budget)
+        figures[name] = dispatch
+        print(f"  {name:>11}: wall {wall:.1f}s; utilization first request -> last request sent {dispatch:.3f} "
+              f"(target >= 0.95), -> last response {full:.3f}")
+    print(f"  rollout ÷ single-turn utilization {figures['rollout'] / figures['single-turn']:.3f}")
 
 
 def per_shard_phase(args: argparse.Namespace, scripts: list[Script], draws: list[list[float]], sizes: list[int],
@@ -503,8 +535,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="endpoint e draws its latencies from seed + e")
     parser.add_argument("--per-shard-shards", type=int, default=2, help="shards run in the per-shard phase (0: all)")
     parser.add_argument("--cpu-requests", type=int, default=2000, help="requests of the zero-latency phase")
+    parser.add_argument("--rollout-conversations", type=int, default=2000, help="conversations of the rollout phase")
+    parser.add_argument("--rollout-turns", type=int, default=4, help="user turns per conversation")
+    parser.add_argument("--rollout-median-s", type=float, default=0.05, help="median latency of the rollout phase")
     parser.add_argument("--phases", default="cli,clients,auto",
-                        help="comma-separated subset of cli, clients, auto, shared, per-shard, cpu")
+                        help="comma-separated subset of cli, clients, auto, shared, rollout, per-shard, cpu")
     parser.add_argument("--client-requests", type=int, default=3000, help="requests per client per round")
     parser.add_argument("--client-slow-requests", type=int, default=640,
                         help="requests per client per round at 500 ms")
@@ -550,6 +585,8 @@ def main() -> None:
                   "bound plus the\n  unavoidable drain: the slowest requests still running once nothing is left to "
                   "send)")
         shared_s = shared_phase(args, scripts, draws, tmp) if "shared" in phases else None
+        if "rollout" in phases:
+            rollout_phase(args, tmp)
         if "per-shard" in phases:
             per_shard_s = per_shard_phase(args, scripts, draws, sizes, tmp)
             if shared_s is not None:
