@@ -170,6 +170,20 @@ def test_a_rollout_regenerates_each_turn_on_its_own_answers_through_every_stage(
     assert len(second_turns) == 1 and all(row["agrees"] for row in sequences)
     assert sorted(row["id"] for row in sequences) == sorted(r["id"] for r in records)
     assert export_run(str(run), "speculators")["num_samples"] == 41
+    assert export_run(str(run), "specforge")["num_samples"] == 41
+    trainers = Path(__file__).resolve().parents[2] / "build" / "trainers"
+    if not trainers.is_dir():
+        pytest.skip(f"the trainers are not installed in {trainers} (`make setup` installs them)")
+    sys.path.insert(0, str(trainers))
+    try:  # the trainers' own loaders read every turn's sample
+        speculators = pytest.importorskip("speculators.train.data").ArrowDataset(
+            max_len=4096, datapath=str(run / "exports" / "speculators"), on_missing="raise")
+        assert len(speculators) == 41 and all(isinstance(speculators[i], dict) for i in range(41))
+        specforge = pytest.importorskip("specforge.data.preprocessing").build_offline_eagle3_dataset(
+            str(run / "exports" / "specforge"), max_len=4096)
+        assert len(specforge) == 41 and specforge[40]["input_ids"].shape[-1] > 0
+    finally:
+        sys.path.remove(str(trainers))
 
 
 def test_changing_a_later_stage_reruns_only_that_stage(tiny_model: Path, server: ScriptedServer,
