@@ -1,4 +1,5 @@
-"""The `eagle3-datagen` command: run the pipeline or the demo, verify or export a run, probe a tokenizer.
+"""The `eagle3-datagen` command: run the pipeline or the demo, verify or export a run, probe a tokenizer, print
+the configuration reference.
 
 Every failure a user can fix prints as one line naming the fix, with exit status 2 (config) or 1 (run).
 """
@@ -85,6 +86,16 @@ def cmd_probe_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_reference(args: argparse.Namespace) -> int:
+    from eagle3_datagen.config_reference import render
+
+    if args.out:
+        Path(args.out).write_text(render(), encoding="utf-8")
+    else:
+        print(render(), end="")
+    return 0
+
+
 def _print_summary(summary: dict[str, Any]) -> int:
     print(summary["report"])
     for line in summary.get("stages", []):
@@ -125,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     probe.add_argument("tokenizer", help="tokenizer folder or hub id")
     probe.add_argument("--profile", default="kimi-k2.5", choices=sorted(BUILTIN_PROFILES))
     probe.set_defaults(func=cmd_probe_tokenizer)
+    reference = commands.add_parser("config-reference", help="every config key with its type, default and "
+                                    "description, as markdown (docs/config-reference.md)")
+    reference.add_argument("--out", help="write it to this file instead of printing it")
+    reference.set_defaults(func=cmd_config_reference)
     return parser
 
 
