@@ -60,11 +60,11 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     generation_task = generate.with_options(refresh_cache=True) if regenerate or unmarked else generate
     generation = generation_task.submit(prompts.shards, settings, config.server, config.validation,
                                         config.sequences.source, **where)
-    generations = generated_shards(allow_failure(generation), config.run_name)  # a failed shard holds none back
+    generated = generated_shards(allow_failure(generation), config.run_name)  # a failed shard holds none back
 
     at = {key: unmapped(value) for key, value in where.items()}
     validated = validate_generations.map(
-        generations, unmapped(config.profile), unmapped(config.model.tokenizer), unmapped(config.validation),
+        generated.shards, unmapped(config.profile), unmapped(config.model.tokenizer), unmapped(config.validation),
         **at)
     sequences = build_sequence_shard.map(
         validated, unmapped(config.profile), unmapped(config.model.tokenizer),
@@ -78,8 +78,8 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
                 unmapped(context.target_fingerprint), unmapped(config.model.trust_remote_code), **at)
 
     return finish_run.submit(
-        config, context, prompts.rows, prompts.rejected, prompts.shards, allow_failure(generation),
-        wait_for=[allow_failure(f) for f in [*validated, *sequences, *hidden]],
+        config, context, prompts.rows, prompts.rejected, prompts.shards, generated.error or generated.shards,
+        wait_for=[allow_failure(f) for f in [generation, *validated, *sequences, *hidden]],
     ).result()
 
 

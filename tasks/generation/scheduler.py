@@ -146,6 +146,11 @@ class GenerationScheduler:
         self._spill = None if store.local_path("generations") else self._spill_segment
         self._spills: list[Future[None]] = []  # segment writes: awaited, and their errors reported, at shutdown
         self._writing = True
+        # built once the run starts (`_run`), from what `plan` found left to ask
+        self.pool: EndpointPool | None = None
+        self.probation: Probation | None = None
+        self.started_at: float | None = None  # time.monotonic() when the first request could start
+        self._dispatcher: asyncio.Future[None] | None = None
 
     def run(self, prompt_shards: list[ShardRef]) -> list[ShardRef]:
         """Generate on an event loop of the stage's own, whose selector is the stall clock."""

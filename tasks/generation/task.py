@@ -4,6 +4,7 @@ the shards it wrote handed on even when it ends short."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -17,7 +18,28 @@ from tasks.generation.progress import LiveProgress
 from tasks.generation.records import GenerationSettings
 from tasks.generation.scheduler import GenerationScheduler
 
-FINISHED_SHARDS = "finished_shards"  # set on generation's error: the shards it wrote, which go on regardless
+
+class GenerationStopped(UserError):
+    """`generate` ended short: its verdict (`cause`, as raised) and the shards it finished first, which go on to
+    the next stages regardless. It reads as its cause: the same line and exit status."""
+
+    def __init__(self, cause: UserError, finished: list[ShardRef]) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.finished = finished
+        self.exit_status = cause.exit_status
+
+    def __reduce__(self) -> tuple[type[GenerationStopped], tuple[UserError, list[ShardRef]]]:
+        """Persisted with the task's failed state: rebuilt from its fields, not from its message."""
+        return type(self), (self.cause, self.finished)
+
+
+@dataclass(frozen=True)
+class GenerationOutcome:
+    """What the flow takes from generation: the shards it finished, and why it ended short (None: it did not)."""
+
+    shards: list[ShardRef]
+    error: BaseException | None = None
 
 
 @task(name="generate", task_run_name="{run_name}/generate", retries=1, retry_condition_fn=retry_unless_user_error,
@@ -33,16 +55,16 @@ def generate(
 ) -> list[ShardRef]:
     """Generate all shards with one shared in-flight budget; resumes from partial logs.
 
-    The UI shows each shard's progress live (a table artifact). A run that ends short still hands the shards it
-    wrote to the next stages: its error carries them (see `generated_shards`).
+    The UI shows each shard's progress live (a table artifact). A run that ends short raises `GenerationStopped`,
+    which still hands the shards it wrote to the next stages (see `generated_shards`).
     """
     store = RunStore(output_uri, run_name)
     scheduler = GenerationScheduler(store, settings, server, validation, get_run_logger(),
                                     sequence_source=sequence_source)
 
     def in_flight_integral() -> tuple[float, float]:
-        pool = getattr(scheduler, "pool", None)  # built once the run starts
-        return pool.in_flight_integral() if pool else (0.0, time.monotonic())
+        pool = scheduler.pool
+        return pool.in_flight_integral() if pool is not None else (0.0, time.monotonic())
 
     def finished() -> int:
         return scheduler.counts.accepted + scheduler.counts.rejected + scheduler.counts.failed
@@ -53,13 +75,15 @@ def generate(
         try:
             return scheduler.run(prompt_shards)
         except UserError as error:
-            setattr(error, FINISHED_SHARDS, [scheduler.finished[i] for i in sorted(scheduler.finished)])
-            raise
+            raise GenerationStopped(error, [scheduler.finished[i] for i in sorted(scheduler.finished)]) from error
 
 
 @task(name="generated-shards", task_run_name="{run_name}/generated-shards", cache_policy=NO_CACHE)
-def generated_shards(generation: list[ShardRef] | BaseException, run_name: str) -> list[ShardRef]:
-    """The shards generation wrote, also when it failed for others: one failed shard never holds the rest back."""
+def generated_shards(generation: list[ShardRef] | BaseException, run_name: str) -> GenerationOutcome:
+    """The shards generation wrote, also when it failed for others (one failed shard never holds the rest back),
+    and the error it failed with, as raised."""
+    if isinstance(generation, GenerationStopped):
+        return GenerationOutcome(generation.finished, generation.cause)
     if isinstance(generation, BaseException):
-        return list(getattr(generation, FINISHED_SHARDS, []))
-    return generation
+        return GenerationOutcome([], generation)
+    return GenerationOutcome(generation)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 
 import pytest
 from early_abort_answers import ENDPOINT, answer, judge
 
+from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import ServerConfig, ValidationConfig, parse_config
 from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.profiles import BUILTIN_PROFILES
@@ -20,6 +22,7 @@ from tasks.generation.pool import REPEATED_REFUSALS, Endpoint, EndpointPool, Hel
 from tasks.generation.probation import Outcome, Probation, ShareTest
 from tasks.generation.progress import Timeline
 from tasks.generation.scheduler import StallClock
+from tasks.generation.task import GenerationOutcome, GenerationStopped, generated_shards
 
 
 def test_a_healthy_run_is_let_go_after_its_first_seven_answers_of_a_window_of_32() -> None:
@@ -290,3 +293,15 @@ def test_one_server_listed_twice_is_refused() -> None:
         with pytest.raises(ConfigurationError, match=r"are the same server .*list it once"):
             parse_config({**tree, "server": {"endpoints": twice}})
     assert ServerConfig(endpoints=["http://h:8000/v1", "http://g:8000"]).endpoints == ["http://h:8000", "http://g:8000"]
+
+
+def test_a_generation_that_ends_short_hands_on_its_finished_shards_and_its_own_error() -> None:
+    """The failed state is persisted (pickled): the shards, and the verdict with its type and exit status, survive."""
+    finished = [ShardRef("generations", 0, "generations/shard-00000.jsonl", 3, "0" * 64)]
+    stopped = pickle.loads(pickle.dumps(GenerationStopped(ConfigurationError("fix the key"), finished)))
+    assert stopped.one_line() == "fix the key" and stopped.exit_status == 2
+    outcome = generated_shards.fn(stopped, "run")
+    assert outcome.shards == finished and type(outcome.error) is ConfigurationError
+    assert generated_shards.fn(finished, "run") == GenerationOutcome(finished)
+    crash = RuntimeError("a bug")
+    assert generated_shards.fn(crash, "run") == GenerationOutcome([], crash)
