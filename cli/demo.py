@@ -9,9 +9,28 @@ from pathlib import Path
 from typing import Any
 
 from eagle3_datagen.config import PipelineConfig, parse_config
-from eagle3_datagen.testing.vllm_server import REPO_ROOT
+from eagle3_datagen.errors import UserError
+from eagle3_datagen.testing.vllm_server import LAUNCHER, REPO_ROOT, vllm_python
 
 DEMO_MODEL_NAME = "tiny-reasoner"
+
+
+class DemoNeedsCheckout(UserError):
+    """The demo runs vLLM from files of the repository that the installed package does not hold."""
+
+
+def check_checkout() -> None:
+    """Stop in one line where the demo cannot start its server: outside a checkout (the vLLM launcher is in
+    infra/, the tiny model goes to build/) or in one without the vLLM environment that `make setup` builds."""
+    if not LAUNCHER.is_file():
+        raise DemoNeedsCheckout(
+            f"`eagle3-datagen demo` runs from a checkout of the eagle3-datagen repository (its vLLM launcher "
+            f"{LAUNCHER} is missing): clone the repository, then run `make demo` in it"
+        )
+    try:
+        vllm_python()
+    except FileNotFoundError as missing:
+        raise DemoNeedsCheckout(str(missing)) from None
 
 
 def demo_questions() -> Path:
@@ -46,6 +65,7 @@ def run_demo(output_uri: Path) -> dict[str, Any]:
     from cli.runner import run_pipeline
     from eagle3_datagen.testing.vllm_server import LocalVLLMServer
 
+    check_checkout()
     model_dir = tiny_model_dir()
     started = time.monotonic()
     log_path = output_uri / "demo-vllm-server.log"
