@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import IO, Any, TypeVar
 
 import fsspec
@@ -36,6 +36,18 @@ class OutputNotWritable(ConfigurationError):
 
 class ArtifactChanged(UserError, ValueError):
     """A stage's input no longer matches the hash its producer recorded (and downstream caches are keyed on)."""
+
+
+@dataclass(frozen=True)
+class RunLocation:
+    """Which run a stage works on: the folder `{output_uri}/{run_name}/`. Plain strings, so that it hashes the same
+    in every process as part of a stage's cache key."""
+
+    output_uri: str
+    run_name: str
+
+    def store(self) -> RunStore:
+        return RunStore(self.output_uri, self.run_name)
 
 
 class RunStore:

@@ -13,7 +13,7 @@ from eagle3_datagen.errors import user_errors_one_line_in_the_ui
 from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement, task_runner_for
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.hidden_state_format import check_compression
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunLocation, RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
 from tasks.generation import GenerationSettings, generate, generated_shards, unfinished_shards, unmarked_shards
 from tasks.health import check_servers
@@ -48,34 +48,33 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     config = settled_output(config)
     check_task_runner(config.execution)
     check_compression(config.hidden_states.compression)  # not hours later, after generation
-    where = {"output_uri": config.output_uri, "run_name": config.run_name}
+    run = RunLocation(config.output_uri, config.run_name)
     context = start_run(config)
-    prompts = load_prompts(config.data, fingerprint(config.data.source), **where)
+    prompts = load_prompts(config.data, fingerprint(config.data.source), run)
     settings = GenerationSettings(config.model.name, config.profile, config.generation, config.data.source)
 
-    unmarked = unmarked_shards(prompts.shards, **where)  # unfinished, or found changed by a later stage
-    if unfinished_shards(unmarked, **where):
+    unmarked = unmarked_shards(prompts.shards, run)  # unfinished, or found changed by a later stage
+    if unfinished_shards(unmarked, run):
         check_servers(config.model.name, config.profile, config.server, config.generation, config.validation,
-                      prompts.shards, config.model.tokenizer, **where)
+                      prompts.shards, config.model.tokenizer, run)
     generation_task = generate.with_options(refresh_cache=True) if regenerate or unmarked else generate
     generation = generation_task.submit(prompts.shards, settings, config.server, config.validation,
-                                        config.sequences.source, **where)
-    generated = generated_shards(allow_failure(generation), config.run_name)  # a failed shard holds none back
+                                        config.sequences.source, run)
+    generated = generated_shards(allow_failure(generation), run)  # a failed shard holds none back
 
-    at = {key: unmapped(value) for key, value in where.items()}
     validated = validate_generations.map(
         generated.shards, unmapped(config.profile), unmapped(config.model.tokenizer), unmapped(config.validation),
-        **at)
+        unmapped(run))
     sequences = build_sequence_shard.map(
         validated, unmapped(config.profile), unmapped(config.model.tokenizer),
         unmapped(context.tokenizer_fingerprint), unmapped(config.sequences),
-        unmapped(config.validation.max_rebuild_mismatch_rate), **at)
+        unmapped(config.validation.max_rebuild_mismatch_rate), unmapped(run))
     hidden: list[PrefectFuture[Any]] = []
     if config.hidden_states.backend != "none":
         with extraction_placement(config.execution):
             hidden = extract_hidden_states.map(
                 sequences, unmapped(config.hidden_states), unmapped(config.target_model),
-                unmapped(context.target_fingerprint), unmapped(config.model.trust_remote_code), **at)
+                unmapped(context.target_fingerprint), unmapped(config.model.trust_remote_code), unmapped(run))
 
     return finish_run.submit(
         config, context, prompts.rows, prompts.rejected, prompts.shards, generated.error or generated.shards,

@@ -23,7 +23,7 @@ from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConf
 from eagle3_datagen.diagnosis import ProbeFinding, ServerCheckFailed
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import OpenAIClient, api_key
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunLocation, RunStore
 from eagle3_datagen.think_tokens import load_tokenizer, render_generation_prompt
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ async def check_servers_async(
     ))
 
 
-@task(name="check-servers", task_run_name="{run_name}/check-servers", cache_policy=NO_CACHE,
+@task(name="check-servers", task_run_name="{run.run_name}/check-servers", cache_policy=NO_CACHE,
       retries=0)
 def check_servers(
     model: str,
@@ -190,12 +190,11 @@ def check_servers(
     validation: ValidationConfig,
     prompt_shards: list[ShardRef],
     tokenizer: str,
-    output_uri: str,
-    run_name: str,
+    run: RunLocation,
 ) -> list[ProbeFinding]:
     """Fail the run before generation unless every endpoint is up and serves the model with room for (enough
     of) the prompts plus max_tokens; the findings start the manifest's `probe` entries."""
-    store = RunStore(output_uri, run_name)
+    store = run.store()
     lengths = PromptLengths(store, prompt_shards, load_tokenizer(tokenizer), profile)
     log = get_run_logger()
     findings = asyncio.run(check_servers_async(model, server, generation, validation, lengths, log.warning))

@@ -30,7 +30,7 @@ from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import DataConfig
 from eagle3_datagen.conversations import user_turns
 from eagle3_datagen.errors import Eagle3Error, Log, UserError, retry_unless_user_error
-from eagle3_datagen.storage import RunStore, marker_path
+from eagle3_datagen.storage import RunLocation, RunStore, marker_path
 
 logger = logging.getLogger(__name__)
 PromptFormat = Literal["auto", "sharegpt", "openai"]
@@ -445,10 +445,10 @@ def build_prompt_shards(data: DataConfig, store: RunStore, log: Log = logger) ->
     return result
 
 
-@task(name="load-prompts", task_run_name="{run_name}/load-prompts", retries=1,
+@task(name="load-prompts", task_run_name="{run.run_name}/load-prompts", retries=1,
       retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE)
-def load_prompts(data: DataConfig, source_fingerprint: str, output_uri: str, run_name: str) -> PromptLoadResult:
-    """Prefect task: stage 2 for the run folder `{output_uri}/{run_name}`.
+def load_prompts(data: DataConfig, source_fingerprint: str, run: RunLocation) -> PromptLoadResult:
+    """Prefect task: stage 2 for the run folder `run`.
 
     `source_fingerprint` is part of the cache key, so a local file edited in place is read again.
     """
@@ -456,4 +456,4 @@ def load_prompts(data: DataConfig, source_fingerprint: str, output_uri: str, run
         log: Log = get_run_logger()
     except MissingContextError:  # called as a plain function (`load_prompts.fn`)
         log = logger
-    return build_prompt_shards(data, RunStore(output_uri, run_name), log)
+    return build_prompt_shards(data, run.store(), log)

@@ -32,7 +32,7 @@ from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import SequencesConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.profiles import ModelProfile
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunLocation
 from eagle3_datagen.think_tokens import (
     ThinkTokenSpec,
     discover_think_tokens,
@@ -299,7 +299,7 @@ def whole_prompts(records: Iterable[dict[str, Any]], size: int) -> Iterator[list
         yield chunk
 
 
-@task(name="build-sequences", task_run_name="{run_name}/build-sequences-{generations.index:05d}", retries=1,
+@task(name="build-sequences", task_run_name="{run.run_name}/build-sequences-{generations.index:05d}", retries=1,
       retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE)
 def build_sequence_shard(
     generations: ShardRef,
@@ -308,14 +308,13 @@ def build_sequence_shard(
     tokenizer_fingerprint: str,
     settings: SequencesConfig,
     max_rebuild_mismatch_rate: float,
-    output_uri: str,
-    run_name: str,
+    run: RunLocation,
 ) -> ShardRef:
     """sequences/shard-NNNNN.parquet from a validated generations shard.
 
     Rejected samples are written first, so a shard stopped for too many count mismatches keeps its reasons.
     """
-    store = RunStore(output_uri, run_name)
+    store = run.store()
     tok = load_tokenizer(tokenizer)
     spec = discover_think_tokens(tok, profile)
     tables, rejected, rebuilt_from_text, count_mismatches = [], [], 0, 0

@@ -21,7 +21,7 @@ from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ValidationConfig
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import ModelProfile
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunLocation, RunStore
 from eagle3_datagen.think_tokens import ThinkTokenSpec, discover_think_tokens, load_tokenizer, tool_calls_text
 
 
@@ -199,18 +199,17 @@ def reopen_quarantined_shards(run: str) -> list[int]:
     return reopen_quarantined(RunStore.at(run))
 
 
-@task(name="validate", task_run_name="{run_name}/validate-{generations.index:05d}", retries=0,
+@task(name="validate", task_run_name="{run.run_name}/validate-{generations.index:05d}", retries=0,
       persist_result=True, cache_policy=STAGE_CACHE)
 def validate_generations(
     generations: ShardRef,
     profile: ModelProfile,
     tokenizer: str,
     thresholds: ValidationConfig,
-    output_uri: str,
-    run_name: str,
+    run: RunLocation,
 ) -> ShardRef:
     """Write validation/shard-NNNNN.json and a UI artifact; fail the shard if it is quarantined."""
-    store = RunStore(output_uri, run_name)
+    store = run.store()
     records = store.read_shard_records(generations)
     tok = load_tokenizer(tokenizer)
     spec = discover_think_tokens(tok, profile) if profile.single_token_tags else None
@@ -219,8 +218,8 @@ def validate_generations(
                               lambda record: tool_calls_text(tok, record, profile, spec) if spec else None)
     path = artifact_path("validation", generations.index)
     store.write_json(path, {**report.as_dict(), "generations_sha256": generations.sha256})
-    create_markdown_artifact(key=ui_key(run_name, f"validation-{shard_name(generations.index)}"),
-                             markdown=_markdown(run_name, report), description="reasoning-field validation")
+    create_markdown_artifact(key=ui_key(run.run_name, f"validation-{shard_name(generations.index)}"),
+                             markdown=_markdown(run.run_name, report), description="reasoning-field validation")
     if report.status != "pass":
         raise ShardQuarantined(
             f"shard {generations.index:05d} quarantined ({'; '.join(report.reasons)}); its records stay in "

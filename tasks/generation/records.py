@@ -33,7 +33,7 @@ from eagle3_datagen.errors import Log, UserError
 from eagle3_datagen.modes import assign_mode
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import Completion
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunLocation, RunStore
 
 SETTINGS_FILE = "generations/settings.json"
 SEGMENT_RECORDS = 1000  # a partial-log segment in object storage holds at most this many entries...
@@ -471,17 +471,17 @@ def marked_finished(store: RunStore, prompts: ShardRef) -> ShardRef | None:
     return ShardRef(*(marker[name] for name in ("stage", "index", "path", "num_records", "sha256")))
 
 
-def unmarked_shards(prompt_shards: list[ShardRef], output_uri: str, run_name: str) -> list[ShardRef]:
+def unmarked_shards(prompt_shards: list[ShardRef], run: RunLocation) -> list[ShardRef]:
     """Prompt shards whose generations no completion marker vouches for: unfinished, or dropped by a stage that
     found them changed. Generation must look at storage for these, not at its cache."""
-    store = RunStore(output_uri, run_name)
+    store = run.store()
     return [ref for ref in prompt_shards if marked_finished(store, ref) is None]
 
 
-def unfinished_shards(unmarked: list[ShardRef], output_uri: str, run_name: str) -> list[int]:
+def unfinished_shards(unmarked: list[ShardRef], run: RunLocation) -> list[int]:
     """Of the `unmarked_shards`, those with prompts not yet generated: the server is needed only if this is
     non-empty."""
-    store = RunStore(output_uri, run_name)
+    store = run.store()
     unfinished = []
     for ref in unmarked:
         done = finished_shard(store, ref.index, lambda ref=ref: prompt_positions(store, ref))

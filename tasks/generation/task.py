@@ -13,7 +13,7 @@ from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import ServerConfig, ValidationConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunLocation
 from tasks.generation.progress import LiveProgress
 from tasks.generation.records import GenerationSettings
 from tasks.generation.scheduler import GenerationScheduler
@@ -42,7 +42,7 @@ class GenerationOutcome:
     error: BaseException | None = None
 
 
-@task(name="generate", task_run_name="{run_name}/generate", retries=1, retry_condition_fn=retry_unless_user_error,
+@task(name="generate", task_run_name="{run.run_name}/generate", retries=1, retry_condition_fn=retry_unless_user_error,
       persist_result=True, cache_policy=STAGE_CACHE - "server")
 def generate(
     prompt_shards: list[ShardRef],
@@ -50,15 +50,14 @@ def generate(
     server: ServerConfig,
     validation: ValidationConfig,
     sequence_source: str,
-    output_uri: str,
-    run_name: str,
+    run: RunLocation,
 ) -> list[ShardRef]:
     """Generate all shards with one shared in-flight budget; resumes from partial logs.
 
     The UI shows each shard's progress live (a table artifact). A run that ends short raises `GenerationStopped`,
     which still hands the shards it wrote to the next stages (see `generated_shards`).
     """
-    store = RunStore(output_uri, run_name)
+    store = run.store()
     scheduler = GenerationScheduler(store, settings, server, validation, get_run_logger(),
                                     sequence_source=sequence_source)
 
@@ -69,7 +68,7 @@ def generate(
     def finished() -> int:
         return scheduler.counts.accepted + scheduler.counts.rejected + scheduler.counts.failed
 
-    with LiveProgress(store, run_name, prompt_shards, settings.generation.n, scheduler.shard_counts, finished,
+    with LiveProgress(store, run.run_name, prompt_shards, settings.generation.n, scheduler.shard_counts, finished,
                       in_flight_integral) as progress:
         scheduler.on_progress = progress.set
         try:
@@ -78,8 +77,8 @@ def generate(
             raise GenerationStopped(error, [scheduler.finished[i] for i in sorted(scheduler.finished)]) from error
 
 
-@task(name="generated-shards", task_run_name="{run_name}/generated-shards", cache_policy=NO_CACHE)
-def generated_shards(generation: list[ShardRef] | BaseException, run_name: str) -> GenerationOutcome:
+@task(name="generated-shards", task_run_name="{run.run_name}/generated-shards", cache_policy=NO_CACHE)
+def generated_shards(generation: list[ShardRef] | BaseException, run: RunLocation) -> GenerationOutcome:
     """The shards generation wrote, also when it failed for others (one failed shard never holds the rest back),
     and the error it failed with, as raised."""
     if isinstance(generation, GenerationStopped):

@@ -12,13 +12,13 @@ from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.errors import ConfigurationError, retry_unless_user_error
 from eagle3_datagen.hidden_state_format import check_compression
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunLocation
 from tasks.hidden_states.targets import resolve_aux_layers, target_num_layers
 from tasks.hidden_states.transformers_backend import extract_shard, load_target_model, target_loads
 from tasks.hidden_states.vllm_backend import extract_shard_vllm, load_served_target
 
 
-@task(name="extract-hidden-states", task_run_name="{run_name}/extract-hidden-states-{sequences.index:05d}",
+@task(name="extract-hidden-states", task_run_name="{run.run_name}/extract-hidden-states-{sequences.index:05d}",
       retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
       cache_policy=STAGE_CACHE)
 def extract_hidden_states(
@@ -27,8 +27,7 @@ def extract_hidden_states(
     target_model: str,
     target_fingerprint: str,
     trust_remote_code: bool,
-    output_uri: str,
-    run_name: str,
+    run: RunLocation,
 ) -> ShardRef:
     """Prefect stage 6 for one shard; a transformers target stays loaded across the shards a process runs.
 
@@ -37,7 +36,7 @@ def extract_hidden_states(
 
     `target_fingerprint` is part of the cache key: new weights at the same path extract again.
     """
-    store = RunStore(output_uri, run_name)
+    store = run.store()
     check_compression(settings.compression)  # this worker's torch, before a target is loaded or asked
     if settings.backend == "vllm":
         index = extract_shard_vllm(store, sequences, load_served_target(target_model), settings)

@@ -29,7 +29,7 @@ from eagle3_datagen.hidden_state_format import (
     read_final_norm,
     read_hidden_state_shard,
 )
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunLocation, RunStore
 from eagle3_datagen.testing.vllm_server import VLLM_CPU_DIR, LocalVLLMServer
 from tasks.hidden_states import extract_hidden_states
 from tasks.hidden_states.parts import TokenSequence
@@ -251,7 +251,8 @@ def test_vllm_backend_gives_the_transformers_tensors_in_bf16(
     settings = HiddenStatesConfig(
         backend="vllm", endpoint=extraction_server.url, dtype="bfloat16", max_in_flight=4, part_size_bytes=20_000
     )
-    ref = extract_hidden_states.fn(sequences, settings, str(tiny_model), "fp", False, str(tmp_path), "vllm")
+    ref = extract_hidden_states.fn(sequences, settings, str(tiny_model), "fp", False,
+                                   RunLocation(str(tmp_path), "vllm"))
 
     index = vllm_store.read_json(ref.path)
     assert ref.num_records == len(ids) and len(index["parts"]) > 1

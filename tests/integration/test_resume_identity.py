@@ -22,7 +22,7 @@ from test_generation_faults import assert_exactly_once, run_generation, settings
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
 from eagle3_datagen.config import ValidationConfig
-from eagle3_datagen.storage import ArtifactChanged, RunStore
+from eagle3_datagen.storage import ArtifactChanged, RunLocation, RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, expected_reasoning
 from tasks.generation import GenerationError
 from tasks.generation.records import SETTINGS_FILE, segment_folder
@@ -186,12 +186,13 @@ def test_a_shard_edited_to_the_same_size_heals_once_a_stage_finds_it_changed(tmp
         assert store.read_marker(written.path) is None, "the marker no longer vouches for the changed shard"
         from tasks.generation import unmarked_shards
 
-        assert unmarked_shards(refs, str(tmp_path), "run") == refs, "the flow looks past generation's cache"
+        run = RunLocation(str(tmp_path), "run")
+        assert unmarked_shards(refs, run) == refs, "the flow looks past generation's cache"
         [healed] = run_generation(store, refs, [server.url])
         assert server.log.requests == 4, "nothing asked again"
     assert healed.sha256 == sha256_hex(shard.read_bytes())
     store.read_shard(healed)
-    assert unmarked_shards(refs, str(tmp_path), "run") == [], "marked again: the flow trusts generation's cache again"
+    assert unmarked_shards(refs, run) == [], "marked again: the flow trusts generation's cache again"
 
 
 def test_one_failed_shard_write_never_skips_the_rest_of_shutdown(

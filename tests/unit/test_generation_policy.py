@@ -17,6 +17,7 @@ from eagle3_datagen.config import ServerConfig, ValidationConfig, parse_config
 from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, ServerLoad, parse_metrics
+from eagle3_datagen.storage import RunLocation
 from tasks.generation.budget import FOLLOW_EVERY_S, RAMP_EVERY_S, SETTLED_EVERY_S, next_limit, next_pause
 from tasks.generation.pool import REPEATED_REFUSALS, Endpoint, EndpointPool, HeldRefusals
 from tasks.generation.probation import Outcome, Probation, ShareTest
@@ -300,8 +301,8 @@ def test_a_generation_that_ends_short_hands_on_its_finished_shards_and_its_own_e
     finished = [ShardRef("generations", 0, "generations/shard-00000.jsonl", 3, "0" * 64)]
     stopped = pickle.loads(pickle.dumps(GenerationStopped(ConfigurationError("fix the key"), finished)))
     assert stopped.one_line() == "fix the key" and stopped.exit_status == 2
-    outcome = generated_shards.fn(stopped, "run")
+    outcome = generated_shards.fn(stopped, RunLocation("runs", "run"))
     assert outcome.shards == finished and type(outcome.error) is ConfigurationError
-    assert generated_shards.fn(finished, "run") == GenerationOutcome(finished)
+    assert generated_shards.fn(finished, RunLocation("runs", "run")) == GenerationOutcome(finished)
     crash = RuntimeError("a bug")
-    assert generated_shards.fn(crash, "run") == GenerationOutcome([], crash)
+    assert generated_shards.fn(crash, RunLocation("runs", "run")) == GenerationOutcome([], crash)

@@ -14,7 +14,7 @@ import pytest
 
 from eagle3_datagen.artifacts import sha256_hex
 from eagle3_datagen.config import DataConfig
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunLocation, RunStore
 from tasks.prompts import (
     REJECTED_PATH,
     DataSourceError,
@@ -318,7 +318,7 @@ def test_the_prefect_task_writes_the_run_folder_and_returns_a_picklable_result(t
     source = write_rows(tmp_path / "q.jsonl", [sharegpt(*CONVERSATION), question(1), question(1)])
     data = DataConfig(source=str(source), shard_size=1, turns="last")
 
-    result = load_prompts.fn(data, "fp", str(tmp_path / "runs"), "demo")
+    result = load_prompts.fn(data, "fp", RunLocation(str(tmp_path / "runs"), "demo"))
 
     assert (result.rows, result.accepted, result.rejected) == (3, 2, 1)
     assert [ref.path for ref in result.shards] == ["prompts/shard-00000.jsonl", "prompts/shard-00001.jsonl"]
