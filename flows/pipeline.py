@@ -15,9 +15,9 @@ from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.hidden_state_format import check_compression
 from eagle3_datagen.storage import RunLocation, RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
-from tasks.generation import GenerationSettings, generate, generated_shards, unfinished_shards, unmarked_shards
-from tasks.health import check_servers
-from tasks.hidden_states import extract_hidden_states
+from tasks.generation import GenerationJob, generate, generated_shards, unfinished_shards, unmarked_shards
+from tasks.health import ServerCheck, check_servers
+from tasks.hidden_states import ExtractionSettings, extract_hidden_states
 from tasks.prompts import load_prompts
 from tasks.run.lifecycle import (
     finish_run,
@@ -28,8 +28,8 @@ from tasks.run.lifecycle import (
     settled_run,
     start_run,
 )
-from tasks.sequences import build_sequence_shard
-from tasks.validation import reopen_quarantined_shards, validate_generations
+from tasks.sequences import SequenceSettings, build_sequence_shard
+from tasks.validation import ValidationSettings, reopen_quarantined_shards, validate_generations
 from tasks.verify import rerun_plan, verify_run
 
 
@@ -50,31 +50,29 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     check_compression(config.hidden_states.compression)  # not hours later, after generation
     run = RunLocation(config.output_uri, config.run_name)
     context = start_run(config)
-    prompts = load_prompts(config.data, fingerprint(config.data.source), run)
-    settings = GenerationSettings(config.model.name, config.profile, config.generation, config.data.source)
+    prompts = load_prompts(config.data, source_fingerprint=fingerprint(config.data.source), run=run)
 
-    unmarked = unmarked_shards(prompts.shards, run)  # unfinished, or found changed by a later stage
-    if unfinished_shards(unmarked, run):
-        check_servers(config.model.name, config.profile, config.server, config.generation, config.validation,
-                      prompts.shards, config.model.tokenizer, run)
+    # Each stage takes only what changes its output, in one settings object: its inputs are its cache key, so
+    # anything more would redo it when an unrelated setting changes.
+    unmarked = unmarked_shards(prompts.shards, run=run)  # unfinished, or found changed by a later stage
+    if unfinished_shards(unmarked, run=run):
+        check_servers(prompts.shards, check=ServerCheck.from_config(config), run=run)
     generation_task = generate.with_options(refresh_cache=True) if regenerate or unmarked else generate
-    generation = generation_task.submit(prompts.shards, settings, config.server, config.validation,
-                                        config.sequences.source, run)
-    generated = generated_shards(allow_failure(generation), run)  # a failed shard holds none back
+    generation = generation_task.submit(prompts.shards, job=GenerationJob.from_config(config), server=config.server,
+                                        run=run)
+    generated = generated_shards(allow_failure(generation), run=run)  # a failed shard holds none back
 
     validated = validate_generations.map(
-        generated.shards, unmapped(config.profile), unmapped(config.model.tokenizer), unmapped(config.validation),
-        unmapped(run))
+        generated.shards, settings=unmapped(ValidationSettings.from_config(config)), run=unmapped(run))
     sequences = build_sequence_shard.map(
-        validated, unmapped(config.profile), unmapped(config.model.tokenizer),
-        unmapped(context.tokenizer_fingerprint), unmapped(config.sequences),
-        unmapped(config.validation.max_rebuild_mismatch_rate), unmapped(run))
+        validated, settings=unmapped(SequenceSettings.from_config(config, context.tokenizer_fingerprint)),
+        run=unmapped(run))
     hidden: list[PrefectFuture[Any]] = []
     if config.hidden_states.backend != "none":
         with extraction_placement(config.execution):
             hidden = extract_hidden_states.map(
-                sequences, unmapped(config.hidden_states), unmapped(config.target_model),
-                unmapped(context.target_fingerprint), unmapped(config.model.trust_remote_code), unmapped(run))
+                sequences, extraction=unmapped(ExtractionSettings.from_config(config, context.target_fingerprint)),
+                run=unmapped(run))
 
     return finish_run.submit(
         config, context, prompts.rows, prompts.rejected, prompts.shards, generated.error or generated.shards,

@@ -12,14 +12,14 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from transformers import PreTrainedTokenizerBase
 
 from eagle3_datagen.artifacts import MANIFEST, ShardRef
-from eagle3_datagen.config import GenerationConfig, ServerConfig, ValidationConfig
+from eagle3_datagen.config import GenerationConfig, PipelineConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.diagnosis import ProbeFinding, ServerCheckFailed
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import OpenAIClient, api_key
@@ -180,24 +180,34 @@ async def check_servers_async(
     ))
 
 
+@dataclass(frozen=True)
+class ServerCheck:
+    """What the servers are checked against: the model they must serve, and the prompts' room under max_tokens
+    (measured with the tokenizer and the profile's template)."""
+
+    model: str
+    profile: ModelProfile
+    server: ServerConfig
+    generation: GenerationConfig
+    validation: ValidationConfig
+    tokenizer: str
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig) -> ServerCheck:
+        return cls(config.model.name, config.profile, config.server, config.generation, config.validation,
+                   config.model.tokenizer)
+
+
 @task(name="check-servers", task_run_name="{run.run_name}/check-servers", cache_policy=NO_CACHE,
       retries=0)
-def check_servers(
-    model: str,
-    profile: ModelProfile,
-    server: ServerConfig,
-    generation: GenerationConfig,
-    validation: ValidationConfig,
-    prompt_shards: list[ShardRef],
-    tokenizer: str,
-    run: RunLocation,
-) -> list[ProbeFinding]:
+def check_servers(prompt_shards: list[ShardRef], check: ServerCheck, run: RunLocation) -> list[ProbeFinding]:
     """Fail the run before generation unless every endpoint is up and serves the model with room for (enough
     of) the prompts plus max_tokens; the findings start the manifest's `probe` entries."""
     store = run.store()
-    lengths = PromptLengths(store, prompt_shards, load_tokenizer(tokenizer), profile)
+    lengths = PromptLengths(store, prompt_shards, load_tokenizer(check.tokenizer), check.profile)
     log = get_run_logger()
-    findings = asyncio.run(check_servers_async(model, server, generation, validation, lengths, log.warning))
+    findings = asyncio.run(check_servers_async(check.model, check.server, check.generation, check.validation,
+                                               lengths, log.warning))
     for finding in findings:
         if finding.context_warning:
             log.warning(finding.context_warning)

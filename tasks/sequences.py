@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase
 
 from eagle3_datagen.artifacts import ShardRef, prompt_id_of, rejected_path
 from eagle3_datagen.caching import STAGE_CACHE
-from eagle3_datagen.config import SequencesConfig
+from eagle3_datagen.config import PipelineConfig, SequencesConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunLocation
@@ -299,27 +299,37 @@ def whole_prompts(records: Iterable[dict[str, Any]], size: int) -> Iterator[list
         yield chunk
 
 
+@dataclass(frozen=True)
+class SequenceSettings:
+    """Everything that changes a shard's sequences, and so the stage's cache key: `tokenizer_fingerprint` is there
+    so that a tokenizer changed at the same path builds again."""
+
+    profile: ModelProfile
+    tokenizer: str
+    tokenizer_fingerprint: str
+    sequences: SequencesConfig
+    max_rebuild_mismatch_rate: float
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig, tokenizer_fingerprint: str) -> SequenceSettings:
+        return cls(config.profile, config.model.tokenizer, tokenizer_fingerprint, config.sequences,
+                   config.validation.max_rebuild_mismatch_rate)
+
+
 @task(name="build-sequences", task_run_name="{run.run_name}/build-sequences-{generations.index:05d}", retries=1,
       retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE)
-def build_sequence_shard(
-    generations: ShardRef,
-    profile: ModelProfile,
-    tokenizer: str,
-    tokenizer_fingerprint: str,
-    settings: SequencesConfig,
-    max_rebuild_mismatch_rate: float,
-    run: RunLocation,
-) -> ShardRef:
+def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run: RunLocation) -> ShardRef:
     """sequences/shard-NNNNN.parquet from a validated generations shard.
 
     Rejected samples are written first, so a shard stopped for too many count mismatches keeps its reasons.
     """
     store = run.store()
-    tok = load_tokenizer(tokenizer)
-    spec = discover_think_tokens(tok, profile)
+    tok = load_tokenizer(settings.tokenizer)
+    spec = discover_think_tokens(tok, settings.profile)
+    max_rebuild_mismatch_rate = settings.max_rebuild_mismatch_rate
     tables, rejected, rebuilt_from_text, count_mismatches = [], [], 0, 0
     for records in whole_prompts(store.read_shard_records(generations), CHUNK_RECORDS):
-        chunk = build_sequences(records, tok, profile, spec, settings)
+        chunk = build_sequences(records, tok, settings.profile, spec, settings.sequences)
         tables.append(to_table(chunk.sequences))
         rejected += chunk.rejected
         rebuilt_from_text += chunk.rebuilt_from_text

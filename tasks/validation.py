@@ -18,7 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, shard_name, ui_key
 from eagle3_datagen.caching import STAGE_CACHE
-from eagle3_datagen.config import ValidationConfig
+from eagle3_datagen.config import PipelineConfig, ValidationConfig
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunLocation, RunStore
@@ -199,21 +199,29 @@ def reopen_quarantined_shards(run: str) -> list[int]:
     return reopen_quarantined(RunStore.at(run))
 
 
+@dataclass(frozen=True)
+class ValidationSettings:
+    """Everything that changes a shard's verdict, and so the validation stage's cache key."""
+
+    profile: ModelProfile
+    tokenizer: str
+    thresholds: ValidationConfig
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig) -> ValidationSettings:
+        return cls(config.profile, config.model.tokenizer, config.validation)
+
+
 @task(name="validate", task_run_name="{run.run_name}/validate-{generations.index:05d}", retries=0,
       persist_result=True, cache_policy=STAGE_CACHE)
-def validate_generations(
-    generations: ShardRef,
-    profile: ModelProfile,
-    tokenizer: str,
-    thresholds: ValidationConfig,
-    run: RunLocation,
-) -> ShardRef:
+def validate_generations(generations: ShardRef, settings: ValidationSettings, run: RunLocation) -> ShardRef:
     """Write validation/shard-NNNNN.json and a UI artifact; fail the shard if it is quarantined."""
     store = run.store()
     records = store.read_shard_records(generations)
-    tok = load_tokenizer(tokenizer)
+    profile = settings.profile
+    tok = load_tokenizer(settings.tokenizer)
     spec = discover_think_tokens(tok, profile) if profile.single_token_tags else None
-    report = validate_records(generations.index, records, profile, thresholds,
+    report = validate_records(generations.index, records, profile, settings.thresholds,
                               lambda ids: tok.decode(ids, skip_special_tokens=False), spec,
                               lambda record: tool_calls_text(tok, record, profile, spec) if spec else None)
     path = artifact_path("validation", generations.index)

@@ -14,7 +14,7 @@ from tasks.generation.records import (
     unmarked_shards,
 )
 from tasks.generation.scheduler import generate_shards
-from tasks.generation.task import GenerationOutcome, GenerationStopped, generate, generated_shards
+from tasks.generation.task import GenerationJob, GenerationOutcome, GenerationStopped, generate, generated_shards
 
-__all__ = ["GenerationError", "GenerationOutcome", "GenerationSettings", "GenerationStopped", "generate",
-           "generate_shards", "generated_shards", "unfinished_shards", "unmarked_shards"]
+__all__ = ["GenerationError", "GenerationJob", "GenerationOutcome", "GenerationSettings", "GenerationStopped",
+           "generate", "generate_shards", "generated_shards", "unfinished_shards", "unmarked_shards"]

@@ -11,7 +11,7 @@ from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.caching import STAGE_CACHE
-from eagle3_datagen.config import ServerConfig, ValidationConfig
+from eagle3_datagen.config import PipelineConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.storage import RunLocation
 from tasks.generation.progress import LiveProgress
@@ -42,24 +42,35 @@ class GenerationOutcome:
     error: BaseException | None = None
 
 
+@dataclass(frozen=True)
+class GenerationJob:
+    """Everything besides the prompts that changes what generation keeps, and so its cache key: the settings its
+    records are pinned to, the thresholds its first answers are judged by, and whether servers without token ids
+    are refused. The servers are not in it: another address for the same model changes no record."""
+
+    settings: GenerationSettings
+    validation: ValidationConfig
+    sequence_source: str
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig) -> GenerationJob:
+        settings = GenerationSettings(config.model.name, config.profile, config.generation, config.data.source)
+        return cls(settings, config.validation, config.sequences.source)
+
+
 @task(name="generate", task_run_name="{run.run_name}/generate", retries=1, retry_condition_fn=retry_unless_user_error,
       persist_result=True, cache_policy=STAGE_CACHE - "server")
-def generate(
-    prompt_shards: list[ShardRef],
-    settings: GenerationSettings,
-    server: ServerConfig,
-    validation: ValidationConfig,
-    sequence_source: str,
-    run: RunLocation,
-) -> list[ShardRef]:
+def generate(prompt_shards: list[ShardRef], job: GenerationJob, server: ServerConfig,
+             run: RunLocation) -> list[ShardRef]:
     """Generate all shards with one shared in-flight budget; resumes from partial logs.
 
     The UI shows each shard's progress live (a table artifact). A run that ends short raises `GenerationStopped`,
     which still hands the shards it wrote to the next stages (see `generated_shards`).
     """
     store = run.store()
-    scheduler = GenerationScheduler(store, settings, server, validation, get_run_logger(),
-                                    sequence_source=sequence_source)
+    settings = job.settings
+    scheduler = GenerationScheduler(store, settings, server, job.validation, get_run_logger(),
+                                    sequence_source=job.sequence_source)
 
     def in_flight_integral() -> tuple[float, float]:
         pool = scheduler.pool

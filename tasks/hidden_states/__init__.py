@@ -18,6 +18,6 @@ parts and index out), `transformers_backend`, `vllm_backend`, `task` (the Prefec
 `eagle3_datagen.hidden_state_format`.
 """
 
-from tasks.hidden_states.task import extract_hidden_states
+from tasks.hidden_states.task import ExtractionSettings, extract_hidden_states
 
-__all__ = ["extract_hidden_states"]
+__all__ = ["ExtractionSettings", "extract_hidden_states"]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 
 from prefect import task
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, worker_record_path
 from eagle3_datagen.caching import STAGE_CACHE
-from eagle3_datagen.config import HiddenStatesConfig
+from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.errors import ConfigurationError, retry_unless_user_error
 from eagle3_datagen.hidden_state_format import check_compression
 from eagle3_datagen.storage import RunLocation
@@ -18,24 +19,32 @@ from tasks.hidden_states.transformers_backend import extract_shard, load_target_
 from tasks.hidden_states.vllm_backend import extract_shard_vllm, load_served_target
 
 
+@dataclass(frozen=True)
+class ExtractionSettings:
+    """Everything that changes a shard's hidden states, and so the stage's cache key: `target_fingerprint` is
+    there so that new weights at the same path extract again."""
+
+    hidden_states: HiddenStatesConfig
+    target_model: str
+    target_fingerprint: str
+    trust_remote_code: bool
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig, target_fingerprint: str) -> ExtractionSettings:
+        return cls(config.hidden_states, config.target_model, target_fingerprint, config.model.trust_remote_code)
+
+
 @task(name="extract-hidden-states", task_run_name="{run.run_name}/extract-hidden-states-{sequences.index:05d}",
       retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
       cache_policy=STAGE_CACHE)
-def extract_hidden_states(
-    sequences: ShardRef,
-    settings: HiddenStatesConfig,
-    target_model: str,
-    target_fingerprint: str,
-    trust_remote_code: bool,
-    run: RunLocation,
-) -> ShardRef:
+def extract_hidden_states(sequences: ShardRef, extraction: ExtractionSettings, run: RunLocation) -> ShardRef:
     """Prefect stage 6 for one shard; a transformers target stays loaded across the shards a process runs.
 
     Its worker record (host, process, target loads so far in that process) shows where the shard ran and that
     no shard loaded the target twice.
-
-    `target_fingerprint` is part of the cache key: new weights at the same path extract again.
     """
+    settings, target_model = extraction.hidden_states, extraction.target_model
+    trust_remote_code = extraction.trust_remote_code
     store = run.store()
     check_compression(settings.compression)  # this worker's torch, before a target is loaded or asked
     if settings.backend == "vllm":

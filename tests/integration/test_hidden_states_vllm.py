@@ -31,7 +31,7 @@ from eagle3_datagen.hidden_state_format import (
 )
 from eagle3_datagen.storage import RunLocation, RunStore
 from eagle3_datagen.testing.vllm_server import VLLM_CPU_DIR, LocalVLLMServer
-from tasks.hidden_states import extract_hidden_states
+from tasks.hidden_states import ExtractionSettings, extract_hidden_states
 from tasks.hidden_states.parts import TokenSequence
 from tasks.hidden_states.transformers_backend import extract_shard, load_target_model
 from tasks.hidden_states.vllm_backend import ServedTarget, load_served_target, served_samples, vllm_extraction_args
@@ -251,7 +251,7 @@ def test_vllm_backend_gives_the_transformers_tensors_in_bf16(
     settings = HiddenStatesConfig(
         backend="vllm", endpoint=extraction_server.url, dtype="bfloat16", max_in_flight=4, part_size_bytes=20_000
     )
-    ref = extract_hidden_states.fn(sequences, settings, str(tiny_model), "fp", False,
+    ref = extract_hidden_states.fn(sequences, ExtractionSettings(settings, str(tiny_model), "fp", False),
                                    RunLocation(str(tmp_path), "vllm"))
 
     index = vllm_store.read_json(ref.path)

@@ -76,3 +76,31 @@ def test_only_a_change_to_the_code_changes_the_digest(tmp_path: Path, old: str, 
         file.write_text(text)
     assert after.read_text() != _STAGE
     assert (source_digest([before]) == source_digest([after])) is same
+
+
+STAGE_INPUTS = """
+from prefect.cache_policies import INPUTS
+from eagle3_datagen.config import parse_config
+from eagle3_datagen.storage import RunLocation
+from tasks.generation import GenerationJob
+from tasks.hidden_states import ExtractionSettings
+from tasks.sequences import SequenceSettings
+from tasks.validation import ValidationSettings
+
+config = parse_config({"run_name": "r", "data": {"source": "d.jsonl"}, "server": {"endpoints": ["http://x:1"]},
+                       "model": {"name": "m", "profile": "qwen3", "tokenizer": "t"}})
+settings = [GenerationJob.from_config(config), ValidationSettings.from_config(config),
+            SequenceSettings.from_config(config, "tokenizer-fp"), ExtractionSettings.from_config(config, "target-fp")]
+print(" ".join(INPUTS.compute_key(None, {"settings": s, "run": RunLocation("/runs", "r")}, {}) for s in settings))
+"""
+
+
+def test_stage_settings_hash_the_same_in_every_process() -> None:
+    """A stage's settings and run are its cache key: a key that differed between processes (a worker, a re-run)
+    would redo every stage."""
+    import os
+    import subprocess
+
+    keys = {subprocess.run([sys.executable, "-c", STAGE_INPUTS], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(keys) == 1 and len(set(keys.pop().split())) == 4

@@ -26,7 +26,7 @@ from eagle3_datagen.hidden_state_format import (
     safetensors_buffers,
 )
 from eagle3_datagen.storage import RunLocation, RunStore
-from tasks.hidden_states import extract_hidden_states
+from tasks.hidden_states import ExtractionSettings, extract_hidden_states
 from tasks.hidden_states.batching import plan_batches
 from tasks.hidden_states.parts import read_sequences
 from tasks.hidden_states.targets import default_aux_layers, resolve_aux_layers
@@ -249,7 +249,8 @@ def test_task_hands_on_a_ref_to_the_index(model_dir: str, tmp_path: Path) -> Non
     sequences = write_sequences(store, 2, random_rows([10, 20, 5], seed=6))
 
     settings = HiddenStatesConfig(dtype="float32")
-    ref = extract_hidden_states.fn(sequences, settings, model_dir, "fp", False, RunLocation(str(tmp_path), "run"))
+    ref = extract_hidden_states.fn(sequences, ExtractionSettings(settings, model_dir, "fp", False),
+                                   RunLocation(str(tmp_path), "run"))
 
     assert ref == ShardRef(
         stage="hidden_states",
@@ -279,7 +280,7 @@ def test_shards_extracted_in_parallel_threads_do_not_mix_states(model_dir: str, 
     try:
         with ThreadPoolExecutor(max_workers=6) as pool:
             extract = lambda ref: extract_hidden_states.fn(  # noqa: E731
-                ref, settings, model_dir, "fp", False, RunLocation(str(tmp_path), "run"))
+                ref, ExtractionSettings(settings, model_dir, "fp", False), RunLocation(str(tmp_path), "run"))
             list(pool.map(extract, refs))
     finally:
         slow.remove()
@@ -461,8 +462,10 @@ def test_an_unknown_compression_is_one_config_line() -> None:
 
 def test_changing_the_compression_changes_the_cache_key() -> None:
     """A cached shard of another compression must not be handed on as if it were this one."""
+    def extraction(compression: str) -> ExtractionSettings:
+        return ExtractionSettings(HiddenStatesConfig(compression=compression), "target", "fp", False)
+
     key = {compression: extract_hidden_states.cache_policy.compute_key(
-        task_ctx=None,
-        inputs={"settings": HiddenStatesConfig(compression=compression), "run": RunLocation("/runs", "run")},
+        task_ctx=None, inputs={"extraction": extraction(compression), "run": RunLocation("/runs", "run")},
         flow_parameters={}) for compression in ("none", "zstd", "fp8")}
     assert len(set(key.values())) == 3
