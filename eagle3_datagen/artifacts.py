@@ -106,3 +106,21 @@ class ShardRef:
     path: str
     num_records: int
     sha256: str
+
+
+@dataclass(frozen=True)
+class PromptLoadResult:
+    """The prompt shards in order, and how many source rows were read, accepted and rejected."""
+
+    shards: list[ShardRef]
+    rows: int
+    accepted: int
+    rejected: int
+
+
+@dataclass(frozen=True)
+class GenerationOutcome:
+    """What the flow takes from generation: the shards it finished, and why it ended short (None: it did not)."""
+
+    shards: list[ShardRef]
+    error: BaseException | None = None

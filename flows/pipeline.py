@@ -74,10 +74,8 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
                 sequences, extraction=unmapped(ExtractionSettings.from_config(config, context.target_fingerprint)),
                 run=unmapped(run))
 
-    return finish_run.submit(
-        config, context, prompts.rows, prompts.rejected, prompts.shards, generated.error or generated.shards,
-        wait_for=[allow_failure(f) for f in [generation, *validated, *sequences, *hidden]],
-    ).result()
+    every_stage = [allow_failure(f) for f in [generation, *validated, *sequences, *hidden]]  # failed ones too
+    return finish_run.submit(context, prompts=prompts, generation=generated, wait_for=every_stage).result()
 
 
 # The pipeline for deployments whose runs use a Ray cluster (execution.task_runner: ray), named by the worker's

@@ -22,6 +22,7 @@ from prefect.exceptions import MissingContextError
 from eagle3_datagen.artifacts import (
     PROMPTS_SUMMARY,
     REJECTED_PATH,
+    PromptLoadResult,
     ShardRef,
     sha256_hex,
     shard_name,
@@ -63,16 +64,6 @@ class DataSourceError(UserError, ValueError):
 
 class DataSourceMissing(DataSourceError, FileNotFoundError):
     """`data.source` names a local path that does not exist."""
-
-
-@dataclass(frozen=True)
-class PromptLoadResult:
-    """The prompt shards in order, and how many source rows were read, accepted and rejected."""
-
-    shards: list[ShardRef]
-    rows: int
-    accepted: int
-    rejected: int
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from eagle3_datagen.artifacts import ShardRef
+from eagle3_datagen.artifacts import GenerationOutcome, ShardRef
 from eagle3_datagen.caching import STAGE_CACHE
 from eagle3_datagen.config import PipelineConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
@@ -32,14 +32,6 @@ class GenerationStopped(UserError):
     def __reduce__(self) -> tuple[type[GenerationStopped], tuple[UserError, list[ShardRef]]]:
         """Persisted with the task's failed state: rebuilt from its fields, not from its message."""
         return type(self), (self.cause, self.finished)
-
-
-@dataclass(frozen=True)
-class GenerationOutcome:
-    """What the flow takes from generation: the shards it finished, and why it ended short (None: it did not)."""
-
-    shards: list[ShardRef]
-    error: BaseException | None = None
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import TerminationSignal
 
 from eagle3_datagen import __version__
-from eagle3_datagen.artifacts import MANIFEST, TIMELINE, ShardRef, prompt_id_of, shard_name, ui_key
+from eagle3_datagen.artifacts import (
+    MANIFEST,
+    TIMELINE,
+    GenerationOutcome,
+    PromptLoadResult,
+    prompt_id_of,
+    shard_name,
+    ui_key,
+)
 from eagle3_datagen.config import PipelineConfig, absolute_uri, parse_config
 from eagle3_datagen.errors import ConfigurationError, UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
@@ -35,8 +43,10 @@ class RunFailed(UserError):
 
 @dataclass(frozen=True)
 class RunContext:
-    """Facts fixed at the start of a run that later stages' cache keys depend on."""
+    """The run as started: its settled config, and facts fixed at its start that later stages' cache keys depend
+    on."""
 
+    config: PipelineConfig
     tokenizer_fingerprint: str
     target_fingerprint: str
     think_tokens: dict[str, Any]
@@ -87,6 +97,7 @@ def start_run(config: PipelineConfig) -> RunContext:
                              description=f"where {config.run_name} writes its outputs")
     spec = discover_think_tokens(load_tokenizer(config.model.tokenizer), config.profile)
     context = RunContext(
+        config=config,
         tokenizer_fingerprint=fingerprint(config.model.tokenizer),
         target_fingerprint=fingerprint(config.target_model),
         think_tokens=spec.as_dict(),
@@ -120,13 +131,13 @@ def recorded_config(run_uri: str, overrides: list[str] | None = None) -> Pipelin
     return parse_config(store.read_json(MANIFEST)["config"], overrides)
 
 
-@task(name="finish-run", task_run_name="{config.run_name}/finish-run", cache_policy=NO_CACHE)
-def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_rejections: int,
-               prompt_shards: list[ShardRef], generation: list[Any] | BaseException) -> dict[str, Any]:
+@task(name="finish-run", task_run_name="{context.config.run_name}/finish-run", cache_policy=NO_CACHE)
+def finish_run(context: RunContext, prompts: PromptLoadResult, generation: GenerationOutcome) -> dict[str, Any]:
     """Manifest, report.md, its plots and the UI report; fail the run, naming the shards, if any fell short.
 
-    `generation` is the generation task's result, or its error when it ended short.
+    `generation.error` is why generation ended short, as raised (None: it did not).
     """
+    config, prompt_shards = context.config, prompts.shards
     store = RunStore(config.output_uri, config.run_name)
     with_hidden = config.hidden_states.backend != "none"
     end_id = context.think_tokens["end_id"]
@@ -145,14 +156,14 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
         for kept_out in ("reasoning_lengths", "answer_lengths"):  # per-sample lists: plotted, not in the manifest
             status.get("generations", {}).pop(kept_out, None)
     finished = [s for s in shards.values() if s.get(last_stage, {}).get("status") == "done"]
-    rejected = prompt_rejections + sum(
+    rejected = prompts.rejected + sum(
         s.get(stage, {}).get("rejected", 0) for s in shards.values() for stage in ("generations", "sequences"))
     records = sum(s.get("generations", {}).get("records", 0) for s in shards.values())
     thinking = [counts for s in shards.values() for mode, counts in s.get("generations", {}).get("modes", {}).items()
                 if config.profile.mode(mode).thinks]  # coverage is of the records of modes that think
     covered = sum(c["with_reasoning"] for c in thinking) / max(1, sum(c["records"] for c in thinking))
     totals = {
-        "input rows": rows,
+        "input rows": prompts.rows,
         "rejected": rejected,
         "shards": num_shards,
         "shards finished": len(finished),
@@ -177,13 +188,14 @@ def finish_run(config: PipelineConfig, context: RunContext, rows: int, prompt_re
                              markdown=render_report(config.run_name, store.uri, shard_rows, totals, plots,
                                                     [by_mode, by_turn]),
                              description=f"eagle3-datagen run {config.run_name}: per shard, totals and plots")
-    generation_error = one_line(generation) if isinstance(generation, BaseException) else None
+    error = generation.error
+    generation_error = one_line(error) if error is not None else None
     cause = run_shortfall(shards, last_stage, num_shards, config.validation.min_accepted_rate, store,
                           generation_error)
     end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals, modes=by_mode,
             **({"turns": by_turn} if by_turn else {}))
-    if cause and isinstance(generation, UserError):
-        raise generation.restated(cause) from None  # its type and exit status, with what the run knows now
+    if cause and isinstance(error, UserError):
+        raise error.restated(cause) from None  # its type and exit status, with what the run knows now
     if cause:
         raise RunFailed(cause)
     return {"run_uri": store.uri, "totals": totals, "report": report}
