@@ -301,12 +301,11 @@ def whole_prompts(records: Iterable[dict[str, Any]], size: int) -> Iterator[list
 
 @dataclass(frozen=True)
 class SequenceSettings:
-    """Everything that changes a shard's sequences, and so the stage's cache key: `tokenizer_fingerprint` is there
-    so that a tokenizer changed at the same path builds again."""
+    """Everything that changes a shard's sequences, and so the stage's cache key."""
 
     profile: ModelProfile
     tokenizer: str
-    tokenizer_fingerprint: str
+    tokenizer_fingerprint: str  # a tokenizer changed at the same path builds again
     sequences: SequencesConfig
     max_rebuild_mismatch_rate: float
 

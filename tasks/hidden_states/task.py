@@ -21,12 +21,11 @@ from tasks.hidden_states.vllm_backend import extract_shard_vllm, load_served_tar
 
 @dataclass(frozen=True)
 class ExtractionSettings:
-    """Everything that changes a shard's hidden states, and so the stage's cache key: `target_fingerprint` is
-    there so that new weights at the same path extract again."""
+    """Everything that changes a shard's hidden states, and so the stage's cache key."""
 
     hidden_states: HiddenStatesConfig
     target_model: str
-    target_fingerprint: str
+    target_fingerprint: str  # new weights at the same path extract again
     trust_remote_code: bool
 
     @classmethod
