@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import sys
+import threading
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -50,11 +51,15 @@ def source_digest(files: list[Path]) -> str:
     return digest.hexdigest()
 
 
+_PARSING = threading.Lock()  # CPython 3.11's ast.parse fails in two threads at once (mapped shards start together)
+
+
 @cache
 def code_version(module_name: str) -> str:
     """The digest of a stage's source plus the shared modules every stage's output depends on."""
     package = Path(__file__).resolve().parent
-    return source_digest([*stage_files(module_name), *(package / f"{name}.py" for name in _PLUMBING)])
+    with _PARSING:
+        return source_digest([*stage_files(module_name), *(package / f"{name}.py" for name in _PLUMBING)])
 
 
 @dataclass
