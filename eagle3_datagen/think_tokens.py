@@ -6,6 +6,7 @@ already writes the start tag, changes every training sequence.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
@@ -79,9 +80,25 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[l
 
 def as_served(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as vLLM hands them to the template: an earlier answer's `reasoning` is also its
-    `reasoning_content`, the name other templates read."""
-    return [{**m, "reasoning_content": m["reasoning"]} if m["role"] == "assistant" and "reasoning" in m else m
-            for m in messages]
+    `reasoning_content` (the name other templates read), and its calls' JSON arguments are parsed into objects
+    (a template writing `{{ arguments }}` then renders Python's form of them, as the server's prompt holds)."""
+    return [_served_answer(m) if m["role"] == "assistant" else m for m in messages]
+
+
+def _served_answer(message: dict[str, Any]) -> dict[str, Any]:
+    served = {**message, "reasoning_content": message["reasoning"]} if "reasoning" in message else message
+    if message.get("tool_calls"):
+        served["tool_calls"] = [{**call, "function": {**call["function"],
+                                                      "arguments": _parsed(call["function"]["arguments"])}}
+                                for call in message["tool_calls"]]
+    return served
+
+
+def _parsed(arguments: Any) -> Any:
+    try:
+        return json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError:
+        return arguments
 
 
 def render_generation_prompt(
@@ -105,7 +122,9 @@ def tool_calls_text(tokenizer: PreTrainedTokenizerBase, record: dict[str, Any], 
     prompt = render_generation_prompt(tokenizer, record["messages"], profile, mode, record.get("tools"))
     answer = {"role": "assistant", "content": record["content"] or "", "tool_calls": record["tool_calls"],
               "reasoning": record["reasoning"]}
-    spoken = as_served(with_system_prompt([*record["messages"], answer], profile.mode(mode)))
+    # the answer's arguments stay the JSON text the model generated; only the history's are parsed
+    spoken = [*as_served(with_system_prompt(record["messages"], profile.mode(mode))),
+              {**answer, "reasoning_content": record["reasoning"]}]
     full = tokenizer.apply_chat_template(spoken, tools=record.get("tools"), tokenize=False,
                                          add_generation_prompt=False, **profile.mode(mode).template_variables())
     head = (("" if spec.template_writes_start_tag else spec.think_start) + record["reasoning"] + spec.think_end

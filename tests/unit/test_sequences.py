@@ -330,3 +330,18 @@ def test_a_kimi_tool_call_is_rebuilt_from_text_as_the_model_generated_it(kimi, s
     lost = {**served, "completion_token_ids": completion[:-8] + completion[-1:]}  # a call cut short
     assert validate_records(0, [lost], KIMI, ValidationConfig(), decode, spec,
                             lambda r: tool_calls_text(kimi, r, KIMI, spec)).token_text_mismatch == 1
+
+
+def test_a_call_in_history_is_rendered_as_vllm_renders_it(kimi, spec) -> None:  # type: ignore[no-untyped-def]
+    """vLLM parses a history call's JSON arguments before the template renders them; Kimi's template writes
+    them as they come, so the prompt holds Python's form and a text rebuild must too."""
+    from eagle3_datagen.think_tokens import render_generation_prompt
+
+    calls = [{"id": "functions.get_weather:0", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}]
+    history = [{"role": "user", "content": "Weather in Tokyo?"},
+               {"role": "assistant", "content": "", "tool_calls": calls, "reasoning": "Look it up."},
+               {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]
+    prompt = render_generation_prompt(kimi, history, KIMI)
+    assert "<|tool_call_argument_begin|>{'city': 'Tokyo'}<|tool_call_end|>" in prompt
+    assert "<think>Look it up.</think>" in prompt, "interleaved reasoning is kept where the template keeps it"
