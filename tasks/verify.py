@@ -139,17 +139,19 @@ def _verify_shard(store: RunStore, index: int, recorded: dict[str, Any], hidden:
         _mark_missing(result, index, generations)
         result.pending += len(prompt_ids)
         return rows
-    generated = {prompt_id_of(i) for i in _ids_of_jsonl(store, generations)}
-    gen_rejected = [prompt_id_of(i) for i in _ids_of_jsonl(store, rejected_path("generations", index))]
+    records = store.read_jsonl(generations)  # read once: ids, and a rollout's transcripts
+    generated_ids = [record["id"] for record in records]
+    generated = {prompt_id_of(i) for i in generated_ids}
+    refused_rel = rejected_path("generations", index)
+    refused = store.read_jsonl(refused_rel) if store.exists(refused_rel) else []
+    gen_rejected = [prompt_id_of(row["id"]) for row in refused]
     rollout = bool(prompts) and "turns" in prompts[0]
     result.rejected += len(set(gen_rejected) - generated) if rollout else len(gen_rejected)
     if sorted(generated | set(gen_rejected)) != sorted(prompt_ids) or (generated & set(gen_rejected)
                                                                         and not rollout):
         problems.append(f"{name} generations: prompts and generated + rejected ids differ")
     if rollout:
-        problems += _transcript_problems(name, prompts, store.read_jsonl(generations),
-                                         store.read_jsonl(rejected_path("generations", index))
-                                         if gen_rejected else [])
+        problems += _transcript_problems(name, prompts, records, refused)
     validation = artifact_path("validation", index)
     if not store.exists(validation):
         _mark_missing(result, index, validation)
@@ -168,7 +170,7 @@ def _verify_shard(store: RunStore, index: int, recorded: dict[str, Any], hidden:
     _check_once("sequences", name, seq_ids, problems)
     seq_rejected = _ids_of_jsonl(store, rejected_path("sequences", index))
     result.rejected += len({prompt_id_of(i) for i in seq_rejected} - {prompt_id_of(i) for i in seq_ids})
-    if sorted(seq_ids + seq_rejected) != sorted(_ids_of_jsonl(store, generations)):
+    if sorted(seq_ids + seq_rejected) != sorted(generated_ids):
         problems.append(f"{name} sequences: generated and sequence + rejected ids differ")
     final_ids = seq_ids
     if hidden:
