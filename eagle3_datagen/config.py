@@ -29,13 +29,18 @@ from eagle3_datagen.profiles import BUILTIN_PROFILES, ModelProfile, resolve_prof
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ABSOLUTE = r"^(/|[A-Za-z][A-Za-z0-9+.-]*://)"  # an absolute path or a URL such as s3://bucket/prefix
 Compression = Literal["none", "zstd", "fp8"]
+ABSOLUTE_OUTPUT_FIX = "an absolute path such as /data/eagle3-runs, or s3://bucket/prefix"
 ENDPOINTS_FIX = "list at least one vLLM base URL under server.endpoints, e.g. [http://127.0.0.1:8000]"
 
 
 def _absolute_in_the_form(schema: dict[str, Any]) -> None:
-    """The deployment form offers no relative default and refuses one at submit: a worker has no folder of its own."""
+    """The deployment form offers no relative default and refuses one at submit: a worker has no folder of its own.
+
+    The refusal names what to write (a `const` the value is not) rather than quoting a bare `pattern`'s regex.
+    """
     schema.pop("default", None)
-    schema["pattern"] = _ABSOLUTE
+    schema["if"] = {"pattern": _ABSOLUTE}
+    schema["else"] = {"const": ABSOLUTE_OUTPUT_FIX}
 
 
 class _Section(BaseModel):

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from cli.demo import DEMO_MODEL_NAME, demo_questions
+from eagle3_datagen.config import ABSOLUTE_OUTPUT_FIX
 from eagle3_datagen.testing.processes import as_from_a_terminal
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from eagle3_datagen.testing.vllm_server import free_port
@@ -226,7 +227,9 @@ def test_outputs_stay_a_relative_output_is_refused_at_submit_and_by_the_run(
         deployment = _deployment(prefect_env, "pipeline")
         refused = httpx.post(f"{prefect_env['PREFECT_API_URL']}/deployments/{deployment['id']}/create_flow_run",
                              json={"parameters": {"config": config}}, timeout=30)
-        assert refused.status_code == 409 and "output_uri" in refused.json()["detail"]
+        detail = refused.json()["detail"]
+        assert refused.status_code == 409 and "output_uri" in detail, detail
+        assert ABSOLUTE_OUTPUT_FIX in detail and "^(" not in detail, "the refusal says what to write, not a regex"
         # an API client may turn the form's check off: the run itself refuses, before anything is written or asked
         run = _api(prefect_env, "POST", f"/deployments/{deployment['id']}/create_flow_run",
                    json={"parameters": {"config": config}, "enforce_parameter_schema": False})
@@ -489,5 +492,20 @@ def test_the_ui_form_refuses_a_run_without_endpoints_naming_the_field(prefect_en
     page.get_by_role("button", name="Submit").click()
     page.get_by_text("'endpoints' is a required property").first.wait_for(timeout=30_000)
     assert page.url.endswith("/run"), "the form stays open with what was filled in"
+    assert len(_api(prefect_env, "POST", "/flow_runs/filter", json={})) == len(before), "no run was created"
+    page.close()
+
+
+def test_the_ui_form_refuses_a_relative_output_saying_what_to_write(prefect_env: dict[str, str],
+                                                                    browser: Any) -> None:
+    ui = prefect_env["PREFECT_API_URL"].removesuffix("/api")
+    deployment = _deployment(prefect_env, "pipeline")
+    before = _api(prefect_env, "POST", "/flow_runs/filter", json={})
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    page.goto(f"{ui}/deployments/deployment/{deployment['id']}/run")
+    _form_property(page, "Output").locator("textarea, input").first.fill("runs/relative")
+    page.get_by_role("button", name="Submit").click()
+    page.get_by_text(ABSOLUTE_OUTPUT_FIX).first.wait_for(timeout=30_000)
+    assert not page.get_by_text("does not match").count(), "no regex is quoted to the user"
     assert len(_api(prefect_env, "POST", "/flow_runs/filter", json={})) == len(before), "no run was created"
     page.close()
