@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from eagle3_datagen.errors import OneLineFormatter
+from eagle3_datagen.execution import TASK_LINES
 from eagle3_datagen.storage import RunStore
 
 FILE_FORMAT = "%(asctime)s | %(levelname)-7s | %(name)s - %(message)s"
@@ -39,7 +40,8 @@ class RunLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = logging.FileHandler(self.path, encoding="utf-8")
         self._file.setFormatter(logging.Formatter(FILE_FORMAT))
-        logging.getLogger().addHandler(self._file)
+        for logger in (logging.getLogger(), TASK_LINES):
+            logger.addHandler(self._file)
         for handler in _prefect_console_handlers():
             self._console.append((handler, handler.formatter))
             handler.setFormatter(OneLineFormatter(handler.formatter))
@@ -49,7 +51,8 @@ class RunLog:
         for handler, formatter in self._console:
             handler.setFormatter(formatter)  # type: ignore[arg-type]
         if self._file is not None:
-            logging.getLogger().removeHandler(self._file)
+            for logger in (logging.getLogger(), TASK_LINES):
+                logger.removeHandler(self._file)
             self._file.close()
         if self._copy:
             self._store.write_bytes(self._rel, self.path.read_bytes())

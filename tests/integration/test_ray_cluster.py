@@ -20,7 +20,7 @@ import pytest
 from cli.demo import DEMO_MODEL_NAME, demo_questions
 from cli.runner import run_pipeline
 from eagle3_datagen.config import PipelineConfig, parse_config
-from eagle3_datagen.execution import ClusterUnusable
+from eagle3_datagen.execution import ClusterLost, ClusterUnusable
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from eagle3_datagen.testing.vllm_server import free_port
 from eagle3_datagen.think_tokens import load_tokenizer
@@ -100,6 +100,10 @@ def test_a_run_on_a_ray_cluster_writes_the_local_runners_bytes_and_loads_the_tar
     assert len(workers) == 4
     assert {w["pid"] for w in workers}.isdisjoint({os.getpid()}), "every shard extracted on a Ray worker"
     assert all(w["target_loads_in_process"] == 1 for w in workers), f"one target load per worker process: {workers}"
+
+    log = next((tmp_path / "ray" / "logs").glob("run-*.log")).read_text()
+    for shard in range(4):  # what the tasks logged on the nodes, in the run's log file
+        assert f"Task run 'ray/validate-{shard:05d}' - Finished in state Completed()" in log, log[-3000:]
 
     requests = len(server.log.bodies)
     rerun_failed(str(tmp_path / "ray"))  # a recorded Ray run is re-run on Ray, not refused
@@ -184,3 +188,57 @@ def test_a_worker_node_killed_mid_run_loses_and_duplicates_nothing(
     answered = [json.loads(line)["id"] for f in sorted((tmp_path / "killed").glob("generations/shard-*.jsonl"))
                 for line in f.read_text().splitlines()]
     assert len(answered) == len(set(answered)) == 24, "no prompt lost or answered twice"
+
+
+def test_losing_the_clusters_head_fails_the_run_in_seconds_with_one_line_and_a_rerun_finishes_it(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """The head's processes are SIGKILLed while generation runs on the worker node: the run ends Failed within
+    seconds with one line naming the head and the fix (Ray alone would wait 60 s, then end the process without a
+    word of ours), the manifest says so, and a re-run on a new cluster answers only what was not kept."""
+    script = Script(model=DEMO_MODEL_NAME, tokenizer=load_tokenizer(str(tiny_model)), latency_s=0.4)
+    with ScriptedServer(script) as server:
+        with local_cluster(head_cpus=0, workers=1) as cluster:
+            settings = config(tiny_model, server.url, tmp_path, "headless", task_runner="ray",
+                              ray_address=cluster.address)
+            settings = settings.model_copy(update={"server": settings.server.model_copy(update={"max_in_flight": 2})})
+            ended: list[BaseException | None] = []
+
+            def run() -> None:
+                try:
+                    run_pipeline(settings)
+                    ended.append(None)
+                except BaseException as error:
+                    ended.append(error)
+
+            runner = threading.Thread(target=run)
+            runner.start()
+            while len(server.log.bodies) < 6 and runner.is_alive():
+                time.sleep(0.05)
+            cluster.head_node.kill_all_processes(check_alive=False, allow_graceful=False)
+            lost_at = time.monotonic()
+            manifest_path = tmp_path / "headless" / "manifest.json"
+            while json.loads(manifest_path.read_text())["status"] == "running" and runner.is_alive():
+                time.sleep(0.2)
+            failed_after = time.monotonic() - lost_at
+            runner.join(timeout=120)
+        assert not runner.is_alive()
+        assert isinstance(ended[0], ClusterLost), ended
+        message = str(ended[0])
+        assert "\n" not in message and "head" in message and "run again" in message, message
+        # Ray alone would wait 60 s for its head, then end the whole process: the run ends before that, by itself
+        assert failed_after < 45, f"the run ended {failed_after:.0f} s after its head was lost"
+        manifest = json.loads(manifest_path.read_text())
+        assert manifest["status"] == "failed" and "stopped answering" in manifest["cause"], manifest
+        asked_before = len(server.log.bodies)
+        with local_cluster(head_cpus=1, workers=1) as restarted:
+            run_pipeline(settings.model_copy(update={"execution": settings.execution.model_copy(
+                update={"ray_address": restarted.address})}))
+        from eagle3_datagen.storage import RunStore
+        from tasks.verify import verify_run
+
+        verification = verify_run(RunStore(str(tmp_path), "headless"))
+        assert verification.complete, verification.verdict()
+        answered = [json.loads(line)["id"] for f in sorted((tmp_path / "headless").glob("generations/shard-*.jsonl"))
+                    for line in f.read_text().splitlines()]
+        assert len(answered) == len(set(answered)) == 24, "no prompt lost or answered twice"
+        assert len(server.log.bodies) - asked_before < 24, "the re-run asks only what was not kept"
