@@ -157,8 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         start_local_api()  # Prefect's temporary API boots while the rest imports
         import_uncollected("cli.runner", "eagle3_datagen.config", "flows.pipeline")
-    from cli.logs import silence_prefect_console
     from eagle3_datagen.errors import UserError
+    from eagle3_datagen.run_log import silence_prefect_console
 
     try:
         status = args.func(args)

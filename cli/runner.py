@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 from uuid import UUID
 
-from cli.logs import RunLog
 from eagle3_datagen.config import PipelineConfig
 from eagle3_datagen.errors import UserError
+from eagle3_datagen.run_log import RunLog
 from eagle3_datagen.storage import RunStore
 
 

@@ -13,6 +13,7 @@ from eagle3_datagen.errors import user_errors_one_line_in_the_ui
 from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement, task_runner_for
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.hidden_state_format import check_compression
+from eagle3_datagen.run_log import close_run_log, open_run_log
 from eagle3_datagen.storage import RunLocation, RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
 from tasks.generation import GenerationJob, generate, generated_shards, unfinished_shards, unmarked_shards
@@ -33,8 +34,9 @@ from tasks.validation import ValidationSettings, reopen_quarantined_shards, vali
 from tasks.verify import rerun_plan, verify_run
 
 
-@flow(name="eagle3-datagen", flow_run_name=run_named(), log_prints=True, on_failure=[record_run_end("failed")],
-      on_crashed=[record_run_end("failed")], on_cancellation=[record_run_end("cancelled")])
+@flow(name="eagle3-datagen", flow_run_name=run_named(), log_prints=True, on_completion=[close_run_log],
+      on_failure=[record_run_end("failed"), close_run_log], on_crashed=[record_run_end("failed"), close_run_log],
+      on_cancellation=[record_run_end("cancelled"), close_run_log])
 def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]:
     """Turn a prompt dataset into EAGLE-3 training data; every stage resumes and caches by content.
 
@@ -49,6 +51,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     check_task_runner(config.execution)
     check_compression(config.hidden_states.compression)  # not hours later, after generation
     run = RunLocation(config.output_uri, config.run_name)
+    open_run_log(RunStore(config.output_uri, config.run_name))  # where the command opened none: a worker's run
     context = start_run(config)
     prompts = load_prompts(config.data, source_fingerprint=fingerprint(config.data.source), run=run)
 

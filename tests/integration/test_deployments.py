@@ -282,6 +282,8 @@ def test_a_known_error_reaches_the_ui_logs_as_one_line_without_a_traceback(
     lines = _log_lines(prefect_env, run["id"], awaited="absent.jsonl")
     assert any("absent.jsonl" in line for line in lines), lines
     assert not [line for line in lines if "Traceback" in line or line.startswith("  File ")], lines
+    log = next((tmp_path / "bad-path" / "logs").glob("run-*.log")).read_text()
+    assert "absent.jsonl" in log and "Traceback" in log, "the run's log file in storage keeps the traceback"
     # the same in a flow that fails before it reaches the pipeline: a run folder that does not exist
     rerun = _start(prefect_env, "rerun-failed", {"run": str(tmp_path / "never-ran")})
     assert _final_state(prefect_env, rerun["id"]) == "FAILED", worker.read_text()[-3000:]
@@ -342,6 +344,7 @@ def test_the_forms_defaults_run_once_pointed_at_a_server_as_the_readme_says(
         assert _final_state(prefect_env, run["id"]) == "COMPLETED", worker.read_text()[-3000:]
     manifest = json.loads((tmp_path / defaults["run_name"] / "manifest.json").read_text())
     assert manifest["status"] == "completed" and manifest["config"]["server"]["max_in_flight"] == 16
+    assert len(list((tmp_path / defaults["run_name"] / "logs").glob("run-*.log"))) == 1, "the run's log file"
 
 
 def test_a_nightly_pass_over_a_grown_dataset_asks_only_the_new_prompts(prefect_env: dict[str, str], worker: Path,

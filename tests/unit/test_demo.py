@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from cli import demo, logs
+from cli import demo
 from cli.main import main
+from eagle3_datagen import run_log
 
 
 def test_the_demo_outside_a_checkout_says_in_one_line_to_clone_and_run_make_demo(
@@ -18,7 +19,7 @@ def test_the_demo_outside_a_checkout_says_in_one_line_to_clone_and_run_make_demo
     monkeypatch.setattr(demo, "LAUNCHER", installed / "infra" / "vllm_cpu" / "launch.py")
     monkeypatch.setattr(demo, "tiny_model_dir", lambda: pytest.fail("the demo went on past its check"))
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # so main starts no temporary API
-    monkeypatch.setattr(logs, "silence_prefect_console", lambda: None)  # the console of the other tests
+    monkeypatch.setattr(run_log, "silence_prefect_console", lambda: None)  # the console of the other tests
     monkeypatch.chdir(tmp_path)
     assert main(["demo"]) == 1
     err = capsys.readouterr().err
