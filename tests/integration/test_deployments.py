@@ -512,3 +512,27 @@ def test_the_ui_form_refuses_a_relative_output_saying_what_to_write(prefect_env:
     assert not page.get_by_text("does not match").count(), "no regex is quoted to the user"
     assert len(_api(prefect_env, "POST", "/flow_runs/filter", json={})) == len(before), "no run was created"
     page.close()
+
+
+def test_the_ui_shows_a_dead_server_and_a_bad_path_as_their_lines_without_a_traceback(
+        prefect_env: dict[str, str], worker: Path, browser: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """The flow run's page, as a team member opens it: its Logs tab holds the one line that names the fix, and no
+    traceback; a dead server's run says so within seconds of its start."""
+    ui = prefect_env["PREFECT_API_URL"].removesuffix("/api")
+    dead = f"http://127.0.0.1:{free_port()}"
+    runs = {
+        f"nothing listens at {dead}": _start(prefect_env, "pipeline", {
+            "config": _service_config(tiny_model, dead, tmp_path, "ui-dead-server")}),
+        "absent.jsonl": _start(prefect_env, "pipeline", {"config": _service_config(
+            tiny_model, "http://127.0.0.1:9", tmp_path, "ui-bad-path",
+            data={"source": str(tmp_path / "absent.jsonl")})}),
+    }
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    for line, run in runs.items():
+        assert _final_state(prefect_env, run["id"]) == "FAILED", worker.read_text()[-3000:]
+        _log_lines(prefect_env, run["id"], awaited=line)  # Prefect ships log lines after the state
+        page.goto(f"{ui}/runs/flow-run/{run['id']}")
+        page.get_by_text(line).first.wait_for(timeout=30_000)
+        logs = page.locator("body").inner_text()
+        assert "Traceback" not in logs and 'File "' not in logs, logs[-3000:]
+    page.close()
