@@ -11,7 +11,7 @@ from typing import Any
 from uuid import UUID
 
 from eagle3_datagen.config import PipelineConfig
-from eagle3_datagen.errors import UserError
+from eagle3_datagen.errors import ConfigurationError, UserError
 from eagle3_datagen.run_log import RunLog
 from eagle3_datagen.storage import RunStore
 
@@ -73,6 +73,9 @@ def run_pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, 
     from cli.local_api import wait_for_local_api
     from flows.pipeline import pipeline_for
 
+    if not config.run_name:
+        raise ConfigurationError("config key run_name: name the run (its folder under output_uri; the same name "
+                                 "resumes it), e.g. run_name: first-pass")
     store = RunStore(config.output_uri, config.run_name)
     store.check_writable()
     wait_for_local_api()

@@ -33,6 +33,13 @@ ABSOLUTE_OUTPUT_FIX = "an absolute path such as /data/eagle3-runs, or s3://bucke
 ENDPOINTS_FIX = "list at least one vLLM base URL under server.endpoints, e.g. [http://127.0.0.1:8000]"
 
 
+def checked_run_name(name: str) -> str:
+    """A run name that is one safe folder name, or ValueError saying what one is."""
+    if not _RUN_NAME.match(name) or ".." in name:
+        raise ValueError(f"run_name {name!r} must be letters, digits, '.', '_' or '-' (no '/' or '..')")
+    return name
+
+
 def _absolute_in_the_form(schema: dict[str, Any]) -> None:
     """The deployment form offers no relative default and refuses one at submit: a worker has no folder of its own.
 
@@ -407,8 +414,9 @@ class PipelineConfig(_Section):
     model_config = ConfigDict(json_schema_extra=_required_in_the_form("server"))
 
     run_name: str = Field(
-        title="Run name", description="Folder name of this run under output_uri (letters, digits, . _ -); flow and "
-        "task runs, artifacts and the report are named after it. The same name resumes the run.",
+        default="", title="Run name", description="Folder name of this run under output_uri (letters, digits, "
+        ". _ -); flow and task runs, artifacts and the report are named after it. The same name resumes the run. "
+        "Empty in a deployment run: the flow run's own name (the form's Run name, above) names it.",
     )
     output_uri: str = Field(
         default="./runs", title="Output",
@@ -449,9 +457,7 @@ class PipelineConfig(_Section):
     @field_validator("run_name")
     @classmethod
     def _safe_run_name(cls, name: str) -> str:
-        if not _RUN_NAME.match(name) or ".." in name:
-            raise ValueError(f"run_name {name!r} must be letters, digits, '.', '_' or '-' (no '/' or '..')")
-        return name
+        return name and checked_run_name(name)
 
     @model_validator(mode="after")
     def _known_profile(self) -> PipelineConfig:

@@ -99,6 +99,7 @@ def generation_only(config: PipelineConfig) -> dict[str, Any]:
         config: The run, as for the pipeline; its hidden-states section is ignored.
     """
     user_errors_one_line_in_the_ui()
+    config = settled_output(config)  # named before the pipeline runs as a flow run of its own
     hidden_states = config.hidden_states.model_copy(update={"backend": "none"})
     return pipeline_for(config)(config.model_copy(update={"hidden_states": hidden_states}))
 

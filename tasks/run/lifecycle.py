@@ -25,7 +25,7 @@ from eagle3_datagen.artifacts import (
     shard_name,
     ui_key,
 )
-from eagle3_datagen.config import PipelineConfig, absolute_uri, parse_config
+from eagle3_datagen.config import PipelineConfig, absolute_uri, checked_run_name, parse_config
 from eagle3_datagen.errors import ConfigurationError, UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.modes import assign_mode
@@ -64,8 +64,18 @@ def _started_in() -> Path | None:
 
 
 def settled_output(config: PipelineConfig) -> PipelineConfig:
-    """The config with `output_uri` absolute, resolved once where the run started (refused under a worker)."""
-    return config.model_copy(update={"output_uri": absolute_uri(config.output_uri, _started_in(), "output_uri")})
+    """The config with `output_uri` absolute, resolved once where the run started (refused under a worker), and
+    a run name: a deployment run left without one takes its flow run's (one name in the UI, not two)."""
+    from prefect.runtime import flow_run
+
+    update = {"output_uri": absolute_uri(config.output_uri, _started_in(), "output_uri")}
+    if not config.run_name:
+        try:
+            update["run_name"] = checked_run_name(flow_run.name)
+        except ValueError as error:
+            raise ConfigurationError(f"config key run_name: empty, and the flow run's name cannot name its folder: "
+                                     f"{error}; set run_name, or name the flow run so") from None
+    return config.model_copy(update=update)
 
 
 def settled_run(run: str) -> str:
@@ -82,6 +92,8 @@ def run_named(kind: str = "") -> Callable[[], str]:
         parameters = flow_run.parameters
         config = parameters.get("config")
         run = config.get("run_name") if isinstance(config, dict) else getattr(config, "run_name", None)
+        if config is not None and not run:
+            return flow_run.name  # the run takes this name (settled_output): it stays
         run = run or posixpath.basename(str(parameters.get("run", "")).rstrip("/")) or "eagle3"
         return f"{run}/{kind}" if kind else run
 
@@ -218,7 +230,7 @@ def record_run_end(status: str) -> Callable[[Any, Any, Any], None]:
 
     def hook(flow: Any, flow_run: Any, state: Any) -> None:
         config = PipelineConfig.model_validate(flow_run.parameters["config"])
-        store = RunStore(config.output_uri, config.run_name)
+        store = RunStore(config.output_uri, config.run_name or flow_run.name)
         manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
         if manifest.get("status") != "running":
             return  # finish-run already ended it, or the run failed before it began

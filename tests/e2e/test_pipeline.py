@@ -267,8 +267,10 @@ def test_the_api_key_is_sent_but_never_reaches_an_artifact(tiny_model: Path, ser
          "model.profile 'nope' is unknown"),
         ("run_name: ok\nmodel: {name: m, profile: qwen3, tokenizer: t}\n", "config key data: Field required"),
         ("run_name: [unclosed\n", "is not valid YAML"),
+        ("data: {source: x}\nmodel: {name: m, profile: qwen3, tokenizer: t}\n", "config key run_name: name the run"),
     ],
-    ids=["unknown-key", "wrong-type", "path-in-run-name", "unknown-profile", "missing-section", "bad-yaml"],
+    ids=["unknown-key", "wrong-type", "path-in-run-name", "unknown-profile", "missing-section", "bad-yaml",
+         "no-run-name"],
 )
 def test_bad_config_is_one_line_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                yaml_text: str, message: str) -> None:

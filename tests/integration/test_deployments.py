@@ -342,9 +342,13 @@ def test_the_forms_defaults_run_once_pointed_at_a_server_as_the_readme_says(
                   "model": {**defaults["model"], "tokenizer": str(tiny_model)}}
         run = _start(prefect_env, "pipeline", {"config": config})
         assert _final_state(prefect_env, run["id"]) == "COMPLETED", worker.read_text()[-3000:]
-    manifest = json.loads((tmp_path / defaults["run_name"] / "manifest.json").read_text())
+    # one name: the form sets none in the config, so the run takes the flow run's name, which stays as it was
+    assert "run_name" not in defaults
+    assert _api(prefect_env, "GET", f"/flow_runs/{run['id']}")["name"] == run["name"]
+    manifest = json.loads((tmp_path / run["name"] / "manifest.json").read_text())
     assert manifest["status"] == "completed" and manifest["config"]["server"]["max_in_flight"] == 16
-    assert len(list((tmp_path / defaults["run_name"] / "logs").glob("run-*.log"))) == 1, "the run's log file"
+    assert manifest["config"]["run_name"] == run["name"]
+    assert len(list((tmp_path / run["name"] / "logs").glob("run-*.log"))) == 1, "the run's log file"
 
 
 def test_a_nightly_pass_over_a_grown_dataset_asks_only_the_new_prompts(prefect_env: dict[str, str], worker: Path,
