@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 MANIFEST = "manifest.json"
+# 2: `format_version` itself, and `totals` under machine keys (RunTotals); 1 (no key) had the report's labels
+MANIFEST_FORMAT = 2
 PROMPTS_SUMMARY = "prompts/summary.json"  # rows read, accepted and rejected by the prompt stage
 REJECTED_PATH = "rejected/prompts.jsonl"  # input rows that gave no prompt, with their reasons
 TIMELINE = "generations/timeline.jsonl"  # generation's progress over time, for the report's latency plot
@@ -124,3 +127,30 @@ class GenerationOutcome:
 
     shards: list[ShardRef]
     error: BaseException | None = None
+
+
+@dataclass(frozen=True)
+class RunTotals:
+    """A run's totals: the manifest's `totals` (these keys) and the report's (`labelled`)."""
+
+    input_rows: int
+    rejected: int
+    shards: int
+    shards_finished: int
+    records_generated: int
+    reasoning_coverage: float  # share of the records of modes that think that came with reasoning
+    sequence_tokens: int
+    hidden_state_bytes: int
+    conversations: int | None = None  # rollouts only
+    conversations_answered_in_full: int | None = None
+    samples_with_tool_calls: int | None = None
+    fp8_fidelity: str | None = None  # shards stored in fp8: the worst cosines to the model-dtype states
+
+    def as_manifest(self) -> dict[str, Any]:
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+    def labelled(self) -> dict[str, Any]:
+        """The report's rows: words for the keys, the coverage as a percentage."""
+        labels = {"hidden_state_bytes": "hidden-state bytes", "fp8_fidelity": "fp8 cosine to the model-dtype states"}
+        return {labels.get(key, key.replace("_", " ")): f"{value:.1%}" if key == "reasoning_coverage" else value
+                for key, value in self.as_manifest().items()}

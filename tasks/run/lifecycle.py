@@ -18,9 +18,11 @@ from prefect.exceptions import TerminationSignal
 from eagle3_datagen import __version__
 from eagle3_datagen.artifacts import (
     MANIFEST,
+    MANIFEST_FORMAT,
     TIMELINE,
     GenerationOutcome,
     PromptLoadResult,
+    RunTotals,
     prompt_id_of,
     shard_name,
     ui_key,
@@ -123,6 +125,7 @@ def start_run(config: PipelineConfig) -> RunContext:
     for stale in ("cause", "ended_at"):
         manifest.pop(stale, None)
     manifest.update(
+        format_version=MANIFEST_FORMAT,
         status="running",
         started_at=_now(),
         updated_at=_now(),
@@ -140,7 +143,12 @@ def recorded_config(run_uri: str, overrides: list[str] | None = None) -> Pipelin
     store = RunStore.at(run_uri)
     if not store.exists(MANIFEST):
         raise ConfigurationError(f"{run_uri} has no {MANIFEST}: pass a run folder such as runs/demo or s3://bucket/x/run")
-    return parse_config(store.read_json(MANIFEST)["config"], overrides)
+    manifest = store.read_json(MANIFEST)
+    if manifest.get("format_version", 1) > MANIFEST_FORMAT:
+        raise ConfigurationError(
+            f"{run_uri} was written by a newer eagle3-datagen ({manifest.get('package_version')}, manifest format "
+            f"{manifest['format_version']}): upgrade eagle3-datagen to re-run it")
+    return parse_config(manifest["config"], overrides)
 
 
 @task(name="finish-run", task_run_name="{context.config.run_name}/finish-run", cache_policy=NO_CACHE)
@@ -174,43 +182,42 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
     thinking = [counts for s in shards.values() for mode, counts in s.get("generations", {}).get("modes", {}).items()
                 if config.profile.mode(mode).thinks]  # coverage is of the records of modes that think
     covered = sum(c["with_reasoning"] for c in thinking) / max(1, sum(c["records"] for c in thinking))
-    totals = {
-        "input rows": prompts.rows,
-        "rejected": rejected,
-        "shards": num_shards,
-        "shards finished": len(finished),
-        "records generated": records,
-        "reasoning coverage": f"{covered:.1%}",
-        "sequence tokens": sum(s.get("sequences", {}).get("tokens", 0) for s in shards.values()),
-        "hidden-state bytes": sum(s.get("hidden_states", {}).get("bytes", 0) for s in shards.values()),
-    }
-    if by_turn:
-        totals["conversations"] = sum(s["prompts"]["records"] for s in shards.values())
-        totals["conversations answered in full"] = sum(row["answered in full"] for row in by_turn)
-    if tool_calls := sum(s.get("generations", {}).get("samples_with_tool_calls", 0) for s in shards.values()):
-        totals["samples with tool calls"] = tool_calls
-    if fidelity := fp8_fidelity(shards):
-        totals["fp8 cosine to the model-dtype states"] = fidelity
+    totals = RunTotals(
+        input_rows=prompts.rows,
+        rejected=rejected,
+        shards=num_shards,
+        shards_finished=len(finished),
+        records_generated=records,
+        reasoning_coverage=round(covered, 6),
+        sequence_tokens=sum(s.get("sequences", {}).get("tokens", 0) for s in shards.values()),
+        hidden_state_bytes=sum(s.get("hidden_states", {}).get("bytes", 0) for s in shards.values()),
+        conversations=sum(s["prompts"]["records"] for s in shards.values()) if by_turn else None,
+        conversations_answered_in_full=sum(row["answered in full"] for row in by_turn) if by_turn else None,
+        samples_with_tool_calls=sum(s.get("generations", {}).get("samples_with_tool_calls", 0)
+                                    for s in shards.values()) or None,
+        fp8_fidelity=fp8_fidelity(shards),
+    )
     for title, png in plots.items():
         store.write_bytes(PLOT_FILES[title], png)
-    report = render_report(config.run_name, store.uri, shard_rows, totals, {}, [by_mode, by_turn])  # plots linked
+    report = render_report(config.run_name, store.uri, shard_rows, totals.labelled(), {},  # plots linked
+                           [by_mode, by_turn])
     store.write_text("report.md", report + "".join(f"\n![{title}]({file})\n" for title, file in PLOT_FILES.items()
                                                    if title in plots))
     create_markdown_artifact(key=ui_key(config.run_name, "report"),
-                             markdown=render_report(config.run_name, store.uri, shard_rows, totals, plots,
-                                                    [by_mode, by_turn]),
+                             markdown=render_report(config.run_name, store.uri, shard_rows, totals.labelled(),
+                                                    plots, [by_mode, by_turn]),
                              description=f"eagle3-datagen run {config.run_name}: per shard, totals and plots")
     error = generation.error
     generation_error = one_line(error) if error is not None else None
     cause = run_shortfall(shards, last_stage, num_shards, config.validation.min_accepted_rate, store,
                           generation_error)
-    end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals, modes=by_mode,
+    end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals.as_manifest(), modes=by_mode,
             **({"turns": by_turn} if by_turn else {}))
     if cause and isinstance(error, UserError):
         raise error.restated(cause) from None  # its type and exit status, with what the run knows now
     if cause:
         raise RunFailed(cause)
-    return {"run_uri": store.uri, "totals": totals, "report": report}
+    return {"run_uri": store.uri, "totals": totals.as_manifest(), "report": report}
 
 
 def end_run(store: RunStore, status: str, cause: str | None, **fields: Any) -> None:

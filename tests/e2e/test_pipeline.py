@@ -70,7 +70,8 @@ def test_every_stage_runs_and_a_second_run_is_all_cached(tiny_model: Path, serve
     run = tmp_path / "flow"
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["status"] == "completed"
-    assert manifest["totals"]["input rows"] == 24 and manifest["totals"]["rejected"] == 0
+    assert manifest["format_version"] == 2
+    assert manifest["totals"]["input_rows"] == 24 and manifest["totals"]["rejected"] == 0
     assert manifest["think_tokens"]["template_writes_start_tag"] is False
     assert [p["reasoning_field"] for p in manifest["probe"]] == ["reasoning"]
     shard = manifest["shards"]["shard-00000"]
@@ -119,7 +120,8 @@ def test_a_mixed_run_records_and_reports_each_mode(tiny_model: Path, server: Scr
         assert count and (rows[mode]["records"], rows[mode]["kept"], rows[mode]["refused"]) == (count, count, 0)
         assert rows[mode]["share asked"] == share
     assert (rows["thinking"]["with reasoning"], rows["instant"]["with reasoning"]) == ("100.0%", "0.0%")
-    assert manifest["totals"]["reasoning coverage"] == "100.0%", "coverage is of the modes that think"
+    assert manifest["totals"]["reasoning_coverage"] == 1.0, "coverage is of the modes that think"
+    assert "| reasoning coverage | 100.0% |" in (run / "report.md").read_text()
     assert "| mode | share asked | records | kept | refused |" in (run / "report.md").read_text()
     sequences = [row for f in sorted((run / "sequences").glob("shard-*.parquet"))
                  for row in pq.read_table(f).to_pylist()]
@@ -153,7 +155,7 @@ def test_a_rollout_regenerates_each_turn_on_its_own_answers_through_every_stage(
     records = [json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
                for line in f.read_text().splitlines()]
     assert verification.prompts == 40 and verification.samples == len(records) == 41, "two rows of two turns"
-    assert (manifest["totals"]["conversations"], manifest["totals"]["conversations answered in full"]) == (40, 39)
+    assert (manifest["totals"]["conversations"], manifest["totals"]["conversations_answered_in_full"]) == (40, 39)
     ends = {"ended: refused": 0, "ended: tool_result_missing": 0}
     assert manifest["turns"] == [
         {"user turn": 0, "samples": 40, "with tool calls": 0, "answered in full": 38, **ends},
@@ -214,7 +216,7 @@ def test_a_new_compression_extracts_again_and_the_report_says_what_fp8_cost(tiny
         index = json.loads((run / "hidden_states" / name / "index.json").read_text())
         assert shard["hidden_states"]["compression"] == index["compression"] == "fp8"
         assert shard["hidden_states"]["fp8_cosine"] == index["fp8_cosine"]
-    fidelity = manifest["totals"]["fp8 cosine to the model-dtype states"]
+    fidelity = manifest["totals"]["fp8_fidelity"]
     assert re.fullmatch(r"min 0\.99\d\d, p1 0\.99\d\d, p50 0\.99\d\d \(lowest shard\); \d+ of \d+ rows under 0\.999",
                         fidelity)
     assert f"| fp8 cosine to the model-dtype states | {fidelity} |" in (run / "report.md").read_text()

@@ -485,13 +485,18 @@ def test_a_run_submitted_from_the_ui_form_shows_its_state_shards_output_and_repo
     page.close()
 
 
+def _pipeline_form(env: dict[str, str], browser: Any) -> tuple[Any, int]:
+    """The pipeline deployment's run form, open in a page, and how many flow runs there were before."""
+    ui = env["PREFECT_API_URL"].removesuffix("/api")
+    before = len(_api(env, "POST", "/flow_runs/filter", json={}))
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    page.goto(f"{ui}/deployments/deployment/{_deployment(env, 'pipeline')['id']}/run")
+    return page, before
+
+
 def test_the_ui_form_refuses_a_run_without_endpoints_naming_the_field(prefect_env: dict[str, str],
                                                                       browser: Any) -> None:
-    ui = prefect_env["PREFECT_API_URL"].removesuffix("/api")
-    deployment = _deployment(prefect_env, "pipeline")
-    before = _api(prefect_env, "POST", "/flow_runs/filter", json={})
-    page = browser.new_page(viewport={"width": 1400, "height": 1200})
-    page.goto(f"{ui}/deployments/deployment/{deployment['id']}/run")
+    page, before = _pipeline_form(prefect_env, browser)
     endpoints = _form_property(page, "Server", "Endpoints")
     endpoints.locator("textarea").first.wait_for()
     endpoints.locator("button.p-button--outline").first.click()  # the item's delete button: the list is now empty
@@ -499,22 +504,18 @@ def test_the_ui_form_refuses_a_run_without_endpoints_naming_the_field(prefect_en
     page.get_by_role("button", name="Submit").click()
     page.get_by_text("'endpoints' is a required property").first.wait_for(timeout=30_000)
     assert page.url.endswith("/run"), "the form stays open with what was filled in"
-    assert len(_api(prefect_env, "POST", "/flow_runs/filter", json={})) == len(before), "no run was created"
+    assert len(_api(prefect_env, "POST", "/flow_runs/filter", json={})) == before, "no run was created"
     page.close()
 
 
 def test_the_ui_form_refuses_a_relative_output_saying_what_to_write(prefect_env: dict[str, str],
                                                                     browser: Any) -> None:
-    ui = prefect_env["PREFECT_API_URL"].removesuffix("/api")
-    deployment = _deployment(prefect_env, "pipeline")
-    before = _api(prefect_env, "POST", "/flow_runs/filter", json={})
-    page = browser.new_page(viewport={"width": 1400, "height": 1200})
-    page.goto(f"{ui}/deployments/deployment/{deployment['id']}/run")
+    page, before = _pipeline_form(prefect_env, browser)
     _form_property(page, "Output").locator("textarea, input").first.fill("runs/relative")
     page.get_by_role("button", name="Submit").click()
     page.get_by_text(ABSOLUTE_OUTPUT_FIX).first.wait_for(timeout=30_000)
     assert not page.get_by_text("does not match").count(), "no regex is quoted to the user"
-    assert len(_api(prefect_env, "POST", "/flow_runs/filter", json={})) == len(before), "no run was created"
+    assert len(_api(prefect_env, "POST", "/flow_runs/filter", json={})) == before, "no run was created"
     page.close()
 
 

@@ -80,6 +80,25 @@ def config(tiny_model: Path, url: str, output: Path, run_name: str, **execution:
     })
 
 
+def started_under_way(settings: PipelineConfig, server: ScriptedServer) -> tuple[threading.Thread, list[Any]]:
+    """The run in a thread, returned once generation is under way (6 requests sent); `ended` gets None or the
+    error it ended with (a run may end Failed: a re-run must finish it)."""
+    ended: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            run_pipeline(settings)
+            ended.append(None)
+        except BaseException as error:
+            ended.append(error)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    while len(server.log.bodies) < 6 and runner.is_alive():
+        time.sleep(0.05)
+    return runner, ended
+
+
 def outputs(run: Path) -> dict[str, bytes]:
     return {str(path.relative_to(run)): path.read_bytes() for pattern in OUTPUTS for path in run.glob(pattern)}
 
@@ -160,19 +179,7 @@ def test_a_worker_node_killed_mid_run_loses_and_duplicates_nothing(
         doomed = next(node for node in cluster.worker_nodes)
         settings = config(tiny_model, server.url, tmp_path, "killed", task_runner="ray", ray_address=cluster.address)
         settings = settings.model_copy(update={"server": settings.server.model_copy(update={"max_in_flight": 2})})
-        ended: list[BaseException | None] = []
-
-        def run() -> None:
-            try:
-                run_pipeline(settings)
-                ended.append(None)
-            except BaseException as error:  # the run may end Failed: a re-run must finish it
-                ended.append(error)
-
-        runner = threading.Thread(target=run)
-        runner.start()
-        while len(server.log.bodies) < 6 and runner.is_alive():
-            time.sleep(0.05)
+        runner, ended = started_under_way(settings, server)
         cluster.add_node(**NODE)
         cluster.remove_node(doomed, allow_graceful=False)  # SIGKILL: the raylet and its workers
         runner.join(timeout=400)
@@ -201,19 +208,7 @@ def test_losing_the_clusters_head_fails_the_run_in_seconds_with_one_line_and_a_r
             settings = config(tiny_model, server.url, tmp_path, "headless", task_runner="ray",
                               ray_address=cluster.address)
             settings = settings.model_copy(update={"server": settings.server.model_copy(update={"max_in_flight": 2})})
-            ended: list[BaseException | None] = []
-
-            def run() -> None:
-                try:
-                    run_pipeline(settings)
-                    ended.append(None)
-                except BaseException as error:
-                    ended.append(error)
-
-            runner = threading.Thread(target=run)
-            runner.start()
-            while len(server.log.bodies) < 6 and runner.is_alive():
-                time.sleep(0.05)
+            runner, ended = started_under_way(settings, server)
             cluster.head_node.kill_all_processes(check_alive=False, allow_graceful=False)
             lost_at = time.monotonic()
             manifest_path = tmp_path / "headless" / "manifest.json"
