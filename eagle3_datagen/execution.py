@@ -108,8 +108,8 @@ class ClusterTaskRunner(RayTaskRunner):
         return self.lost
 
     def check_head(self) -> None:
-        """Raise `ClusterLost` if the head is lost, or refuses a connection now."""
-        if self.lost is None and self._head is not None and not self._head.answers():
+        """Raise `ClusterLost` if the head is lost, or stays unreachable now (blocks while it is unsure)."""
+        if self.lost is None and self._head is not None and self._head.unreachable():
             self.head_lost()
         if self.lost is not None:
             raise self.lost
@@ -156,7 +156,8 @@ class WatchedRayFuture(PrefectRayFuture[Any]):
 
 
 class HeadWatch:
-    """Calls `on_lost` once when the cluster's head (its GCS port) has refused connections for HEAD_LOST_AFTER_S."""
+    """Calls `on_lost` once when the cluster's head (its GCS port) has refused connections for HEAD_LOST_AFTER_S:
+    a head that misses one connection is not lost."""
 
     def __init__(self, gcs_address: str, on_lost: Callable[[], Any]) -> None:
         self.address = gcs_address
@@ -174,14 +175,18 @@ class HeadWatch:
         except OSError:
             return False
 
+    def unreachable(self) -> bool:
+        """Whether the head refuses every connection for HEAD_LOST_AFTER_S from now (False at its first answer)."""
+        since = time.monotonic()
+        while not self.answers():
+            if time.monotonic() - since >= HEAD_LOST_AFTER_S:
+                return True
+            time.sleep(HEAD_CHECK_EVERY_S)
+        return False
+
     def _watch(self) -> None:
-        unanswered_since: float | None = None
         while not self._stopped.wait(HEAD_CHECK_EVERY_S):
-            if self.answers():
-                unanswered_since = None
-                continue
-            unanswered_since = unanswered_since or time.monotonic()
-            if time.monotonic() - unanswered_since >= HEAD_LOST_AFTER_S:
+            if self.unreachable():
                 self._on_lost()
                 return
 
