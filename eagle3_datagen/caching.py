@@ -11,6 +11,7 @@ import ast
 import hashlib
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -72,3 +73,27 @@ class StageCode(CachePolicy):
 
 
 STAGE_CACHE = INPUTS + StageCode()
+
+
+@dataclass(kw_only=True)
+class OutputMadeFrom(CachePolicy):
+    """A cached shard result counts only while the stage's output in storage says it was made from the same input.
+
+    A shard's output is one file slot: input A, then B (a dataset re-cut), then A again would find A's cached
+    result vouching for the file B's run wrote over it. `record(index)` is the file that names the input's sha256
+    under `key`; an output made from other input makes the key another one, so the stage runs again. An output
+    made from this input, or none yet, leaves the key as it was, so a re-run of a finished run stays cached.
+    """
+
+    input_name: str  # the task's ShardRef parameter the output is made from
+    record: Callable[[int], str]  # shard index -> the run-relative JSON file that records it
+    key: str
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any] | None,
+                    flow_parameters: dict[str, Any] | None, **kwargs: Any) -> str | None:
+        ref, run = (inputs or {}).get(self.input_name), (inputs or {}).get("run")
+        if ref is None or run is None:
+            return None
+        store, path = run.store(), self.record(ref.index)
+        made_from = store.read_json(path).get(self.key) if store.exists(path) else None
+        return None if made_from in (None, ref.sha256) else f"output made from {made_from}"

@@ -27,12 +27,12 @@ import pyarrow.parquet as pq
 from prefect import task
 from transformers import PreTrainedTokenizerBase
 
-from eagle3_datagen.artifacts import ShardRef, prompt_id_of, rejected_path
-from eagle3_datagen.caching import STAGE_CACHE
+from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path
+from eagle3_datagen.caching import STAGE_CACHE, OutputMadeFrom
 from eagle3_datagen.config import PipelineConfig, SequencesConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.profiles import ModelProfile
-from eagle3_datagen.storage import RunLocation
+from eagle3_datagen.storage import RunLocation, marker_path
 from eagle3_datagen.think_tokens import (
     ThinkTokenSpec,
     discover_think_tokens,
@@ -316,7 +316,9 @@ class SequenceSettings:
 
 
 @task(name="build-sequences", task_run_name="{run.run_name}/build-sequences-{generations.index:05d}", retries=1,
-      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE)
+      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE + OutputMadeFrom(
+          input_name="generations", record=lambda index: marker_path(artifact_path("sequences", index)),
+          key="generations_sha256"))
 def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run: RunLocation) -> ShardRef:
     """sequences/shard-NNNNN.parquet from a validated generations shard.
 
@@ -344,4 +346,4 @@ def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run:
             "use a server that returns token ids (vLLM >= 0.10.2) for exact sequences"
         )
     return store.write_shard_bytes("sequences", generations.index, to_parquet(tables),
-                                   sum(table.num_rows for table in tables))
+                                   sum(table.num_rows for table in tables), generations_sha256=generations.sha256)

@@ -174,6 +174,7 @@ def write_shard(
     index = {
         "format": FORMAT,
         "shard": shard_index,
+        "sequences_sha256": sequences_ref.sha256,  # what it was made from: a cached result must match it
         "backend": settings.backend,
         "num_samples": len(writer.rows),
         "num_tokens": sum(part["num_tokens"] for part in writer.parts),
