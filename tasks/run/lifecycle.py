@@ -73,7 +73,7 @@ def settled_output(config: PipelineConfig) -> PipelineConfig:
     update = {"output_uri": absolute_uri(config.output_uri, _started_in(), "output_uri")}
     if not config.run_name:
         try:
-            update["run_name"] = checked_run_name(flow_run.name)
+            update["run_name"] = checked_run_name(flow_run.name or "")
         except ValueError as error:
             raise ConfigurationError(f"config key run_name: empty, and the flow run's name cannot name its folder: "
                                      f"{error}; set run_name, or name the flow run so") from None
