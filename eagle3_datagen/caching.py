@@ -83,11 +83,14 @@ class OutputMadeFrom(CachePolicy):
     result vouching for the file B's run wrote over it. `record(index)` is the file that names the input's sha256
     under `key`; an output made from other input makes the key another one, so the stage runs again. An output
     made from this input, or none yet, leaves the key as it was, so a re-run of a finished run stays cached.
+    Where the record is a marker written after the output, an output without one (a run killed between the two
+    writes) is made from nobody knows what, and runs again too.
     """
 
     input_name: str  # the task's ShardRef parameter the output is made from
     record: Callable[[int], str]  # shard index -> the run-relative JSON file that records it
     key: str
+    output: Callable[[int], str] | None = None  # shard index -> the output, where the record is a file apart
 
     def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any] | None,
                     flow_parameters: dict[str, Any] | None, **kwargs: Any) -> str | None:
@@ -95,5 +98,8 @@ class OutputMadeFrom(CachePolicy):
         if ref is None or run is None:
             return None
         store, path = run.store(), self.record(ref.index)
-        made_from = store.read_json(path).get(self.key) if store.exists(path) else None
+        if not store.exists(path):
+            unvouched = self.output is not None and store.exists(self.output(ref.index))
+            return "output without its record" if unvouched else None
+        made_from = store.read_json(path).get(self.key)
         return None if made_from in (None, ref.sha256) else f"output made from {made_from}"

@@ -318,7 +318,7 @@ class SequenceSettings:
 @task(name="build-sequences", task_run_name="{run.run_name}/build-sequences-{generations.index:05d}", retries=1,
       retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE + OutputMadeFrom(
           input_name="generations", record=lambda index: marker_path(artifact_path("sequences", index)),
-          key="generations_sha256"))
+          key="generations_sha256", output=lambda index: artifact_path("sequences", index)))
 def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run: RunLocation) -> ShardRef:
     """sequences/shard-NNNNN.parquet from a validated generations shard.
 

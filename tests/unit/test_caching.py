@@ -104,3 +104,25 @@ def test_stage_settings_hash_the_same_in_every_process() -> None:
     keys = {subprocess.run([sys.executable, "-c", STAGE_INPUTS], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(keys) == 1 and len(set(keys.pop().split())) == 4
+
+
+def test_a_cached_shard_result_counts_only_while_its_output_was_made_from_the_same_input(tmp_path: Path) -> None:
+    from eagle3_datagen.artifacts import ShardRef, artifact_path
+    from eagle3_datagen.caching import OutputMadeFrom
+    from eagle3_datagen.storage import RunLocation, marker_path
+
+    run = RunLocation(str(tmp_path), "run")
+    store = run.store()
+    policy = OutputMadeFrom(input_name="generations", record=lambda i: marker_path(artifact_path("sequences", i)),
+                            key="generations_sha256", output=lambda i: artifact_path("sequences", i))
+    a, b = (ShardRef("generations", 2, artifact_path("generations", 2), 4, sha) for sha in ("a" * 64, "b" * 64))
+
+    def key(ref: ShardRef) -> str | None:
+        return policy.compute_key(None, {"generations": ref, "run": run}, None)  # type: ignore[arg-type]
+
+    assert key(a) is None, "no output yet: the key stays that of the inputs and the code"
+    store.write_shard_bytes("sequences", 2, b"parquet of a", 4, generations_sha256=a.sha256)
+    assert key(a) is None, "made from this input: a re-run stays cached"
+    assert key(b) is not None, "made from other input: the stage runs again"
+    store.remove(marker_path(artifact_path("sequences", 2)))
+    assert key(a) is not None, "an output nothing vouches for runs again"
