@@ -16,7 +16,14 @@ from eagle3_datagen.hidden_state_format import check_compression
 from eagle3_datagen.run_log import close_run_log, open_run_log
 from eagle3_datagen.storage import RunLocation, RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
-from tasks.generation import GenerationJob, generate, generated_shards, unfinished_shards, unmarked_shards
+from tasks.generation import (
+    GenerationJob,
+    generate,
+    generated_shards,
+    refuse_other_settings,
+    unfinished_shards,
+    unmarked_shards,
+)
 from tasks.health import ServerCheck, check_servers
 from tasks.hidden_states import ExtractionSettings, extract_hidden_states
 from tasks.prompts import load_prompts
@@ -53,6 +60,8 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     run = RunLocation(config.output_uri, config.run_name)
     open_run_log(RunStore(config.output_uri, config.run_name))  # where the command opened none: a worker's run
     context = start_run(config)
+    job = GenerationJob.from_config(config)
+    refuse_other_settings(job.settings, run=run)  # before the prompt stage re-cuts any shard
     prompts = load_prompts(config.data, source_fingerprint=fingerprint(config.data.source), run=run)
 
     # Each stage takes only what changes its output, in one settings object: its inputs are its cache key, so
@@ -61,8 +70,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     if unfinished_shards(unmarked, run=run):
         check_servers(prompts.shards, check=ServerCheck.from_config(config), run=run)
     generation_task = generate.with_options(refresh_cache=True) if regenerate or unmarked else generate
-    generation = generation_task.submit(prompts.shards, job=GenerationJob.from_config(config), server=config.server,
-                                        run=run)
+    generation = generation_task.submit(prompts.shards, job=job, server=config.server, run=run)
     generated = generated_shards(allow_failure(generation), run=run)  # a failed shard holds none back
 
     validated = validate_generations.map(

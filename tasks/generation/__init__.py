@@ -10,6 +10,7 @@ from __future__ import annotations
 from tasks.generation.records import (
     GenerationError,
     GenerationSettings,
+    refuse_other_settings,
     unfinished_shards,
     unmarked_shards,
 )
@@ -17,4 +18,5 @@ from tasks.generation.scheduler import generate_shards
 from tasks.generation.task import GenerationJob, GenerationOutcome, GenerationStopped, generate, generated_shards
 
 __all__ = ["GenerationError", "GenerationJob", "GenerationOutcome", "GenerationSettings", "GenerationStopped",
-           "generate", "generate_shards", "generated_shards", "unfinished_shards", "unmarked_shards"]
+           "generate", "generate_shards", "generated_shards", "refuse_other_settings", "unfinished_shards",
+           "unmarked_shards"]

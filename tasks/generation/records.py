@@ -70,18 +70,30 @@ class GenerationSettings:
         return assign_mode(prompt_id, self.generation.mode_mix(self.profile))
 
 
-def pin_settings(store: RunStore, settings: GenerationSettings) -> tuple[str, bool]:
-    """The run id a run's generations are pinned to, and whether this call pinned them (a fresh run).
+def refuse_other_settings(settings: GenerationSettings, run: RunLocation) -> None:
+    """The one-line refusal of a run pinned to other settings. The flow asks before the prompt stage, which may
+    re-cut the shards: a refused run changes nothing written."""
+    _pinned_unless_other(run.store(), settings)
 
-    Called before any request, so no answer is ever kept under settings other than the recorded ones; a run
-    pinned to other settings is refused; one pinned without a run id gets one now.
-    """
+
+def _pinned_unless_other(store: RunStore, settings: GenerationSettings) -> dict[str, Any] | None:
+    """The settings the run is pinned to (None: not yet), unless they are other ones (refused in one line)."""
     pinned = store.read_json(SETTINGS_FILE) if store.exists(SETTINGS_FILE) else None
     if pinned is not None and pinned["fingerprint"] != settings.fingerprint():
         raise GenerationError(
             f"run {store.uri} was generated with other settings (model, sampling, modes, profile or prompt "
             f"source differ): use a new run_name, or restore the settings recorded in {SETTINGS_FILE}"
         )
+    return pinned
+
+
+def pin_settings(store: RunStore, settings: GenerationSettings) -> tuple[str, bool]:
+    """The run id a run's generations are pinned to, and whether this call pinned them (a fresh run).
+
+    Called before any request, so no answer is ever kept under settings other than the recorded ones; a run
+    pinned to other settings is refused; one pinned without a run id gets one now.
+    """
+    pinned = _pinned_unless_other(store, settings)
     if pinned is not None and "run_id" in pinned:
         return pinned["run_id"], False
     fresh = pinned is None
