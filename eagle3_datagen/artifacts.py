@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 MANIFEST = "manifest.json"
 # 2: `format_version` itself, and `totals` under machine keys (RunTotals); 1 (no key) had the report's labels
@@ -95,6 +95,26 @@ def sha256_hex(*buffers: bytes | memoryview) -> str:
     for buffer in buffers:
         digest.update(buffer)
     return digest.hexdigest()
+
+
+class GenerationRecord(TypedDict):
+    """One line of `generations/shard-*.jsonl`: one generation event, with the ids the server saw and sent."""
+
+    id: str  # the prompt's id; with n > 1 samples `#k`, a rollout's turn `:turnK` (`prompt_id_of` strips both)
+    messages: list[dict[str, Any]]  # what was sent: the system and user messages, a rollout's history
+    reasoning: str
+    content: str
+    finish_reason: str | None
+    reasoning_source: str  # the response field the reasoning came from, "inline", or "none"
+    prompt_token_ids: list[int] | None  # the server's; None where it returns none (the text rebuild applies)
+    completion_token_ids: list[int] | None
+    usage: dict[str, Any]
+    mode: NotRequired[str]  # a run with a mix of thinking modes
+    tools: NotRequired[list[dict[str, Any]]]  # the tools the request offered
+    tool_calls: NotRequired[list[dict[str, Any]]]  # as the served tool parser read them
+    turn: NotRequired[int]  # a rollout's generation event, and its user turn
+    user_turn: NotRequired[int]
+    ended: NotRequired[str]  # a rollout's last record: how its conversation ended
 
 
 @dataclass(frozen=True)

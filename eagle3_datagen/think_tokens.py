@@ -13,6 +13,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from eagle3_datagen.artifacts import GenerationRecord
 from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.modes import with_system_prompt
 from eagle3_datagen.profiles import ModelProfile
@@ -112,7 +113,7 @@ def render_generation_prompt(
                                          add_generation_prompt=True, **spec.template_variables())
 
 
-def tool_calls_text(tokenizer: PreTrainedTokenizerBase, record: dict[str, Any], profile: ModelProfile,
+def tool_calls_text(tokenizer: PreTrainedTokenizerBase, record: GenerationRecord, profile: ModelProfile,
                     spec: ThinkTokenSpec) -> str | None:
     """The text the served template writes for a record's tool calls, between its answer and the end of turn:
     what the model generated there. None when the template does not render the answer as the record's own

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 from prefect import task
 from transformers import PreTrainedTokenizerBase
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path
+from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, prompt_id_of, rejected_path
 from eagle3_datagen.caching import STAGE_CACHE, OutputMadeFrom
 from eagle3_datagen.config import PipelineConfig, SequencesConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
@@ -93,7 +93,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def completion_ids_from_text(
-    reasoning_ids: list[int], content_ids: list[int], record: dict[str, Any], spec: ThinkTokenSpec,
+    reasoning_ids: list[int], content_ids: list[int], record: GenerationRecord, spec: ThinkTokenSpec,
     thinks: bool = True, calls_ids: list[int] | None = None,
 ) -> list[int]:
     """Start tag (if the model writes it), reasoning, end tag, content, tool calls, end of turn; truncation cuts
@@ -134,7 +134,7 @@ def think_end_miscount(completion_ids: list[int], spec: ThinkTokenSpec, thinks: 
             "of the answer text")
 
 
-def count_mismatch(record: dict[str, Any], prompt_tokens: int, completion_tokens: int,
+def count_mismatch(record: GenerationRecord, prompt_tokens: int, completion_tokens: int,
                    profile: ModelProfile) -> str | None:
     """The first plausible cause when a text rebuild's counts differ from the server's usage; None if they agree.
 
@@ -159,7 +159,7 @@ def count_mismatch(record: dict[str, Any], prompt_tokens: int, completion_tokens
     return f"{counts}: tokens merge differently across the reasoning / {profile.think_end} / answer boundaries"
 
 
-def _group_counts(records: list[dict[str, Any]], completion_lengths: list[int]) -> list[int]:
+def _group_counts(records: list[GenerationRecord], completion_lengths: list[int]) -> list[int]:
     """Per record, the text-rebuilt completion tokens of its prompt's samples together: `usage` counts a request's
     samples (n > 1) together."""
     totals: dict[str, int] = {}
@@ -174,14 +174,14 @@ def cross_checked(prompt: str, rate: float) -> bool:
     return int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "big") < rate * 2**64
 
 
-def _needs_text(record: dict[str, Any], settings: SequencesConfig) -> bool:
+def _needs_text(record: GenerationRecord, settings: SequencesConfig) -> bool:
     has_ids = record.get("prompt_token_ids") is not None and record.get("completion_token_ids") is not None
     if not has_ids:
         return settings.source != "server"
     return settings.source == "text" or cross_checked(prompt_id_of(record["id"]), settings.cross_check_rate)
 
 
-def text_rebuilds(records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase, profile: ModelProfile,
+def text_rebuilds(records: list[GenerationRecord], tokenizer: PreTrainedTokenizerBase, profile: ModelProfile,
                    spec: ThinkTokenSpec) -> list[tuple[list[int], list[int]] | None]:
     """(prompt ids, completion ids) rebuilt from each record's text in its own mode, batch-tokenized; None for a
     record whose tool calls the template renders where a rebuild cannot place them."""
@@ -202,7 +202,7 @@ def text_rebuilds(records: list[dict[str, Any]], tokenizer: PreTrainedTokenizerB
 
 
 def build_sequences(
-    records: list[dict[str, Any]],
+    records: list[GenerationRecord],
     tokenizer: PreTrainedTokenizerBase,
     profile: ModelProfile,
     spec: ThinkTokenSpec,

@@ -16,7 +16,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, rejected_path, shard_name, ui_key
+from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, rejected_path, shard_name, ui_key
 from eagle3_datagen.caching import STAGE_CACHE, OutputMadeFrom
 from eagle3_datagen.config import PipelineConfig, ValidationConfig
 from eagle3_datagen.errors import UserError
@@ -66,7 +66,7 @@ class ShardValidation:
         return counts
 
 
-def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec, closed: bool = True,
+def expected_completion_text(record: GenerationRecord, spec: ThinkTokenSpec, closed: bool = True,
                              thinks: bool = True, calls: str = "") -> str:
     """The completion text the server's token ids should decode to, rebuilt from reasoning, content and the
     template's text of the record's tool `calls`.
@@ -81,7 +81,7 @@ def expected_completion_text(record: dict[str, Any], spec: ThinkTokenSpec, close
     return text + spec.end_of_turn if record["finish_reason"] in ("stop", "tool_calls") else text
 
 
-def _decodes_differently(decoded: str, record: dict[str, Any], spec: ThinkTokenSpec, closed: bool, thinks: bool,
+def _decodes_differently(decoded: str, record: GenerationRecord, spec: ThinkTokenSpec, closed: bool, thinks: bool,
                          render_calls: Callable[[dict[str, Any]], str | None] | None) -> bool:
     if not record.get("tool_calls"):
         return decoded != expected_completion_text(record, spec, closed, thinks)

@@ -26,7 +26,15 @@ from typing import IO, Any
 
 import orjson
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sample_id, sha256_hex
+from eagle3_datagen.artifacts import (
+    GenerationRecord,
+    ShardRef,
+    artifact_path,
+    prompt_id_of,
+    rejected_path,
+    sample_id,
+    sha256_hex,
+)
 from eagle3_datagen.config import GenerationConfig
 from eagle3_datagen.conversations import Ended, answer_of, next_turn, turn_id, user_turns
 from eagle3_datagen.errors import Log, UserError
@@ -169,7 +177,8 @@ def rollout_prompt(shard: int, position: int, prompt: dict[str, Any], outputs: t
                   prompt.get("tools"))
 
 
-def new_records(prompt: Prompt, completions: list[Completion], ended: str | None = None) -> list[dict[str, Any]]:
+def new_records(prompt: Prompt, completions: list[Completion],
+                ended: str | None = None) -> list[GenerationRecord]:
     """The records of one answered prompt; with `n` samples per prompt, each sample's id gets its own suffix. A
     rollout's turn records its place (`turn`, `user_turn`) and, on the last, how the conversation `ended`."""
     rollout = prompt.rollout

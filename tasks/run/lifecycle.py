@@ -172,14 +172,11 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
     by_turn = turn_rows(shards)
     timeline = store.read_jsonl(TIMELINE) if store.exists(TIMELINE) else []
     plots = run_plots(shards, shard_rows, timeline)
-    for status in shards.values():
-        for kept_out in ("reasoning_lengths", "answer_lengths"):  # per-sample lists: plotted, not in the manifest
-            status.get("generations", {}).pop(kept_out, None)
-    finished = [s for s in shards.values() if s.get(last_stage, {}).get("status") == "done"]
+    finished = [s for s in shards.values() if s.stage(last_stage).done]
     rejected = prompts.rejected + sum(
-        s.get(stage, {}).get("rejected", 0) for s in shards.values() for stage in ("generations", "sequences"))
-    records = sum(s.get("generations", {}).get("records", 0) for s in shards.values())
-    thinking = [counts for s in shards.values() for mode, counts in s.get("generations", {}).get("modes", {}).items()
+        s.stage(stage).get("rejected") for s in shards.values() for stage in ("generations", "sequences"))
+    records = sum(s.stage("generations").get("records") for s in shards.values())
+    thinking = [counts for s in shards.values() for mode, counts in s.stage("generations").get("modes", {}).items()
                 if config.profile.mode(mode).thinks]  # coverage is of the records of modes that think
     covered = sum(c["with_reasoning"] for c in thinking) / max(1, sum(c["records"] for c in thinking))
     totals = RunTotals(
@@ -189,11 +186,11 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
         shards_finished=len(finished),
         records_generated=records,
         reasoning_coverage=round(covered, 6),
-        sequence_tokens=sum(s.get("sequences", {}).get("tokens", 0) for s in shards.values()),
-        hidden_state_bytes=sum(s.get("hidden_states", {}).get("bytes", 0) for s in shards.values()),
-        conversations=sum(s["prompts"]["records"] for s in shards.values()) if by_turn else None,
+        sequence_tokens=sum(s.stage("sequences").get("tokens") for s in shards.values()),
+        hidden_state_bytes=sum(s.stage("hidden_states").get("bytes") for s in shards.values()),
+        conversations=sum(s.prompts.get("records") for s in shards.values()) if by_turn else None,
         conversations_answered_in_full=sum(row["answered in full"] for row in by_turn) if by_turn else None,
-        samples_with_tool_calls=sum(s.get("generations", {}).get("samples_with_tool_calls", 0)
+        samples_with_tool_calls=sum(s.stage("generations").get("samples_with_tool_calls")
                                     for s in shards.values()) or None,
         fp8_fidelity=fp8_fidelity(shards),
     )
@@ -211,8 +208,9 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
     generation_error = one_line(error) if error is not None else None
     cause = run_shortfall(shards, last_stage, num_shards, config.validation.min_accepted_rate, store,
                           generation_error)
-    end_run(store, "failed" if cause else "completed", cause, shards=shards, totals=totals.as_manifest(), modes=by_mode,
-            **({"turns": by_turn} if by_turn else {}))
+    end_run(store, "failed" if cause else "completed", cause,
+            shards={name: status.as_manifest() for name, status in shards.items()}, totals=totals.as_manifest(),
+            modes=by_mode, **({"turns": by_turn} if by_turn else {}))
     if cause and isinstance(error, UserError):
         raise error.restated(cause) from None  # its type and exit status, with what the run knows now
     if cause:

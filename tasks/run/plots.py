@@ -6,6 +6,8 @@ import io
 from itertools import pairwise
 from typing import Any
 
+from tasks.run.status import ShardStatus
+
 
 def _pyplot() -> Any:
     import matplotlib
@@ -87,11 +89,11 @@ PLOT_FILES = {"reasoning and answer lengths": "reasoning_lengths.png",
               "request latency over time": "request_latency.png"}
 
 
-def run_plots(shards: dict[str, dict[str, Any]], rows: list[dict[str, Any]],
+def run_plots(shards: dict[str, ShardStatus], rows: list[dict[str, Any]],
               timeline: list[dict[str, float]]) -> dict[str, bytes]:
     """The report's plots, by title; a plot without data is left out."""
-    reasoning = [n for s in shards.values() for n in s.get("generations", {}).get("reasoning_lengths", [])]
-    answers = [n for s in shards.values() for n in s.get("generations", {}).get("answer_lengths", [])]
+    reasoning = [n for s in shards.values() for n in s.reasoning_lengths]
+    answers = [n for s in shards.values() for n in s.answer_lengths]
     plots = {}
     if reasoning:
         plots["reasoning and answer lengths"] = plot_lengths(reasoning, answers)

@@ -13,6 +13,7 @@ from typing import Any
 from eagle3_datagen.artifacts import MANIFEST
 from eagle3_datagen.conversations import TOOL_RESULT_MISSING
 from eagle3_datagen.storage import RunStore
+from tasks.run.status import ShardStatus
 
 
 def where_outputs_are(uri: str) -> str:
@@ -22,29 +23,25 @@ def where_outputs_are(uri: str) -> str:
     return f"`{uri}` (list it: `{listing}`; check it: `eagle3-datagen verify {uri}`)"
 
 
-def _final_stage(status: dict[str, Any]) -> str:
-    return next(reversed(status))
-
-
-def shard_row(name: str, status: dict[str, Any], last_stage: str) -> dict[str, Any]:
+def shard_row(name: str, status: ShardStatus, last_stage: str) -> dict[str, Any]:
     """What the report says of one shard: records, accepted and rejected prompts, reasoning, lengths, stage."""
-    gen = status.get("generations", {})
-    stage = _final_stage(status)
+    gen = status.stage("generations")
+    stage, reached = status.reached
     return {
         "shard": name,
-        "records": gen.get("records", 0),
-        "accepted": status.get(last_stage, {}).get("accepted_prompts", 0),
-        "rejected": gen.get("rejected", 0) + status.get("sequences", {}).get("rejected", 0),
-        "reasoning coverage": f"{gen.get('reasoning_coverage', 0):.1%}",
-        "truncated": gen.get("truncated", 0),
-        "mean reasoning tok": f"{gen.get('mean_reasoning_tokens', 0):.1f}",
-        "mean answer tok": f"{gen.get('mean_answer_tokens', 0):.1f}",
-        "validation": status.get("validation", {}).get("status", "-"),
-        "stage reached": f"{stage}: {status[stage]['status']}",
+        "records": gen.get("records"),
+        "accepted": status.stage(last_stage).get("accepted_prompts"),
+        "rejected": gen.get("rejected") + status.stage("sequences").get("rejected"),
+        "reasoning coverage": f"{gen.get('reasoning_coverage'):.1%}",
+        "truncated": gen.get("truncated"),
+        "mean reasoning tok": f"{gen.get('mean_reasoning_tokens'):.1f}",
+        "mean answer tok": f"{gen.get('mean_answer_tokens'):.1f}",
+        "validation": status.stage("validation").status,
+        "stage reached": f"{stage}: {reached.status}",
     }
 
 
-def mode_rows(shards: dict[str, dict[str, Any]], weights: dict[str, float], last_stage: str) -> list[dict[str, Any]]:
+def mode_rows(shards: dict[str, ShardStatus], weights: dict[str, float], last_stage: str) -> list[dict[str, Any]]:
     """What the report says of each mode of the run's mix: records, samples kept and refused, lengths.
 
     Kept samples are those of shards that reached the last stage; refused ones were refused by the server or by
@@ -53,11 +50,11 @@ def mode_rows(shards: dict[str, dict[str, Any]], weights: dict[str, float], last
     total_weight = sum(weights.values())
     rows = []
     for mode, weight in weights.items():
-        generated = [s["generations"].get("modes", {}).get(mode, {}) for s in shards.values() if "generations" in s]
+        generated = [s.stage("generations").get("modes", {}).get(mode, {}) for s in shards.values()]
         records = sum(g.get("records", 0) for g in generated)
-        kept = sum(s["sequences"].get("modes", {}).get(mode, {}).get("records", 0) for s in shards.values()
-                   if s.get(last_stage, {}).get("status") == "done")
-        refused = sum(s.get(stage, {}).get("rejected_by_mode", {}).get(mode, 0) for s in shards.values()
+        kept = sum(s.stage("sequences").get("modes", {}).get(mode, {}).get("records", 0) for s in shards.values()
+                   if s.stage(last_stage).done)
+        refused = sum(s.stage(stage).get("rejected_by_mode", {}).get(mode, 0) for s in shards.values()
                       for stage in ("generations", "sequences"))
         rows.append({
             "mode": mode,
@@ -72,13 +69,13 @@ def mode_rows(shards: dict[str, dict[str, Any]], weights: dict[str, float], last
     return rows
 
 
-def turn_rows(shards: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def turn_rows(shards: dict[str, ShardStatus]) -> list[dict[str, Any]]:
     """What the report says of each user turn of a run's rollouts (none without): its samples (a tool call and
     the answer after its results are two), those with tool calls, and the conversations that ended there, by
     reason."""
     counts: dict[int, Counter[str]] = {}
     for status in shards.values():
-        gen = status.get("generations", {})
+        gen = status.stage("generations")
         for turn, of_turn in gen.get("user_turns", {}).items():
             counts.setdefault(int(turn), Counter()).update(of_turn)
         for turn, refused in gen.get("rejected_by_turn", {}).items():
@@ -112,10 +109,10 @@ def render_report(run_name: str, run_uri: str, rows: list[dict[str, Any]], total
 STAGES = ("generations", "validation", "sequences", "hidden_states")
 
 
-def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards: int, min_accepted_rate: float,
+def run_shortfall(shards: dict[str, ShardStatus], last_stage: str, num_shards: int, min_accepted_rate: float,
                   store: RunStore, generation_error: str | None = None) -> str | None:
     """Why the run produced less than it should, as one line naming the shards; None when it is complete."""
-    short = [name for name, s in shards.items() if s.get(last_stage, {}).get("status") != "done"]
+    short = [name for name, s in shards.items() if not s.stage(last_stage).done]
     if generation_error and not short:  # refused before asking (other settings): the shards are from before
         return generation_error
     if short:
@@ -124,12 +121,12 @@ def run_shortfall(shards: dict[str, dict[str, Any]], last_stage: str, num_shards
         which = f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}{others})"
         if generation_error:
             return f"{generation_error}; {which}"
-        why = next((f"{name} {stage}: {s[stage]['reasons'][0]}; " for name in short for stage in STAGES
-                    if (s := shards[name]).get(stage, {}).get("reasons")), "")
+        why = next((f"{name} {stage}: {reasons[0]}; " for name in short for stage in STAGES
+                    if (reasons := shards[name].stage(stage).get("reasons"))), "")
         return (f"{which}: {why}see {store.uri}/{MANIFEST}; fix the cause and run again (finished shards are not "
                 "redone)")
-    prompts = sum(s["prompts"]["records"] for s in shards.values())
-    accepted = sum(s[last_stage].get("accepted_prompts", 0) for s in shards.values())
+    prompts = sum(s.prompts.get("records") for s in shards.values())
+    accepted = sum(s.stage(last_stage).get("accepted_prompts") for s in shards.values())
     rate = accepted / max(1, prompts)
     if accepted and rate >= min_accepted_rate:
         return None

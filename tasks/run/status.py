@@ -10,17 +10,18 @@ import io
 import json
 import statistics
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.parquet as pq
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, prompt_id_of, rejected_path, sha256_hex
+from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, prompt_id_of, rejected_path, sha256_hex
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunStore, iter_jsonl
 
 
-def _reasoning_tokens(record: dict[str, Any], end_id: int, thinks: bool) -> int:
+def _reasoning_tokens(record: GenerationRecord, end_id: int, thinks: bool) -> int:
     ids = record.get("completion_token_ids") or []
     if not thinks:
         return 0
@@ -116,66 +117,121 @@ def _rejected(store: RunStore, path: str, mode_of: Callable[[str], str]) -> dict
             **({"rejected_by_turn": dict(by_turn)} if by_turn else {})}
 
 
+@dataclass(frozen=True)
+class StageStatus:
+    """Where one stage of one shard stands (`done`, `pending`, `skipped`, `failed`, or validation's verdict), and
+    the figures read from its artifacts, under the keys the manifest keeps."""
+
+    status: str
+    figures: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.status == "done"
+
+    def get(self, key: str, default: Any = 0) -> Any:
+        return self.figures.get(key, default)
+
+    def as_manifest(self) -> dict[str, Any]:
+        return {"status": self.status, **self.figures}
+
+
+PENDING = StageStatus("pending")
+NOT_REACHED = StageStatus("-")  # a stage after the one a shard stopped at
+
+
+@dataclass(frozen=True)
+class ShardStatus:
+    """One shard's stages in pipeline order, as far as its artifacts go (a stage not reached is None), and the
+    per-sample lengths its generations hold (plotted, not kept in the manifest)."""
+
+    prompts: StageStatus
+    generations: StageStatus | None = None
+    validation: StageStatus | None = None
+    sequences: StageStatus | None = None
+    hidden_states: StageStatus | None = None
+    reasoning_lengths: tuple[int, ...] = ()
+    answer_lengths: tuple[int, ...] = ()
+
+    def stage(self, name: str) -> StageStatus:
+        """The stage `name`, or NOT_REACHED (status `-`, no figures) when the shard stopped before it."""
+        return getattr(self, name) or NOT_REACHED
+
+    def stages(self) -> dict[str, StageStatus]:
+        return {name: getattr(self, name) for name in SHARD_STATUS_STAGES if getattr(self, name) is not None}
+
+    @property
+    def reached(self) -> tuple[str, StageStatus]:
+        """The last stage the shard has a status for, and that status."""
+        return next(reversed(self.stages().items()))
+
+    def as_manifest(self) -> dict[str, Any]:
+        return {name: stage.as_manifest() for name, stage in self.stages().items()}
+
+
+SHARD_STATUS_STAGES = ("prompts", "generations", "validation", "sequences", "hidden_states")
+
+
 def shard_status(store: RunStore, prompts: ShardRef, hidden_states: bool, end_id: int, profile: ModelProfile,
-                 mode_of: Callable[[str], str]) -> dict[str, Any]:
+                 mode_of: Callable[[str], str]) -> ShardStatus:
     """Per-stage status and counts of one shard, read from its artifacts (or their completion markers).
 
     `mode_of` names the mode of a prompt or sample id (the run's mix), for the per-mode counts.
     """
     index = prompts.index
-    status: dict[str, Any] = {"prompts": {"status": "done", "records": prompts.num_records}}
+    reached = {"prompts": StageStatus("done", {"records": prompts.num_records})}
     generations = artifact_path("generations", index)
     if not store.exists(generations):
-        status["generations"] = {"status": "pending"}
-        return status
+        return ShardStatus(**reached, generations=PENDING)
     summary = _summarized(store, generations, f"report_by_mode_think_end_{end_id}",
                           lambda data: _generations_summary(data, end_id, profile))
-    status["generations"] = {"status": "done", **summary,
-                             **_rejected(store, rejected_path("generations", index), mode_of)}
+    lengths = {key: tuple(summary.pop(key)) for key in ("reasoning_lengths", "answer_lengths")}
+    reached["generations"] = StageStatus("done", {**summary,
+                                                  **_rejected(store, rejected_path("generations", index), mode_of)})
     validation = artifact_path("validation", index)
     if not store.exists(validation):
-        status["validation"] = {"status": "pending"}
-        return status
+        return ShardStatus(**reached, validation=PENDING, **lengths)
     report = store.read_json(validation)
-    status["validation"] = {"status": report["status"], "reasons": report["reasons"], "rates": report["rates"]}
+    reached["validation"] = StageStatus(report["status"], {"reasons": report["reasons"], "rates": report["rates"]})
     sequences = artifact_path("sequences", index)
     seq_rejected = rejected_path("sequences", index)
     if report["status"] != "pass":
-        status["sequences"] = {"status": "skipped"}
-        return status
+        return ShardStatus(**reached, sequences=StageStatus("skipped"), **lengths)
     if not store.exists(sequences):
-        status["sequences"] = {"status": "pending"}
         if store.exists(seq_rejected):  # the stage stopped the shard after writing why each sample was refused
             reasons = Counter(row["reason"] for row in store.read_jsonl(seq_rejected))
             reason, count = reasons.most_common(1)[0]
-            status["sequences"] = {"status": "failed", "reasons": [f"{count} samples refused: {reason}"]}
-        return status
-    status["sequences"] = {"status": "done", **_summarized(store, sequences, "report_by_mode", _sequences_summary),
-                           **_rejected(store, seq_rejected, mode_of)}
+            return ShardStatus(**reached, sequences=StageStatus("failed", {"reasons": [f"{count} samples refused: "
+                                                                                       f"{reason}"]}), **lengths)
+        return ShardStatus(**reached, sequences=PENDING, **lengths)
+    reached["sequences"] = StageStatus("done", {**_summarized(store, sequences, "report_by_mode", _sequences_summary),
+                                                **_rejected(store, seq_rejected, mode_of)})
     if hidden_states:
-        index_path = artifact_path("hidden_states", index)
-        if store.exists(index_path):
-            data = store.read_bytes(index_path)
-            hs = json.loads(data)
-            status["hidden_states"] = {
-                "status": "done",
-                "sha256": sha256_hex(data),
-                "records": sum(p["num_samples"] for p in hs["parts"]),
-                "accepted_prompts": len({prompt_id_of(i) for i in hs["samples"]}),
-                "bytes": sum(p["bytes"] for p in hs["parts"]),
-                "layers": {k: hs[k] for k in hs if "layer" in k or k == "final_state"},
-                "compression": hs["compression"],
-                **({"fp8_cosine": hs["fp8_cosine"]} if "fp8_cosine" in hs else {}),
-            }
-        else:
-            status["hidden_states"] = {"status": "pending"}
-    return status
+        reached["hidden_states"] = _hidden_states_status(store, artifact_path("hidden_states", index))
+    return ShardStatus(**reached, **lengths)
 
 
-def fp8_fidelity(shards: dict[str, dict[str, Any]]) -> str | None:
+def _hidden_states_status(store: RunStore, index_path: str) -> StageStatus:
+    if not store.exists(index_path):
+        return PENDING
+    data = store.read_bytes(index_path)
+    hs = json.loads(data)
+    return StageStatus("done", {
+        "sha256": sha256_hex(data),
+        "records": sum(p["num_samples"] for p in hs["parts"]),
+        "accepted_prompts": len({prompt_id_of(i) for i in hs["samples"]}),
+        "bytes": sum(p["bytes"] for p in hs["parts"]),
+        "layers": {k: hs[k] for k in hs if "layer" in k or k == "final_state"},
+        "compression": hs["compression"],
+        **({"fp8_cosine": hs["fp8_cosine"]} if "fp8_cosine" in hs else {}),
+    })
+
+
+def fp8_fidelity(shards: dict[str, ShardStatus]) -> str | None:
     """What fp8 cost, in one line over the shards stored in fp8 (None if none is): the worst row's cosine, the
     lowest shard p1 and median, and how many rows (token x layer) fell under the 0.999 goal."""
-    stats = [s["hidden_states"]["fp8_cosine"] for s in shards.values() if "fp8_cosine" in s.get("hidden_states", {})]
+    stats = [s.stage("hidden_states").get("fp8_cosine") for s in shards.values()]
+    stats = [stat for stat in stats if stat]
     if not stats:
         return None
     under = sum(stat["under_0.999"] for stat in stats)

@@ -37,7 +37,7 @@ from tasks.hidden_states.transformers_backend import (
     fresh_target_model,
     load_target_model,
 )
-from tasks.run.status import fp8_fidelity
+from tasks.run.status import ShardStatus, StageStatus, fp8_fidelity
 
 torch.set_num_threads(1)
 
@@ -425,10 +425,12 @@ def test_fp8_reads_back_in_the_model_dtype_within_its_tolerance_and_the_index_ho
 def test_the_run_report_says_what_fp8_cost_over_its_shards() -> None:
     stats = [{"rows": 400, "min": 0.9981, "p1": 0.9993, "p50": 0.9997, "mean": 0.9996, "under_0.999": 3},
              {"rows": 800, "min": 0.9994, "p1": 0.9995, "p50": 0.9996, "mean": 0.9996, "under_0.999": 0}]
-    shards = {f"shard-{i:05d}": {"hidden_states": {"status": "done", "fp8_cosine": stat}}
+    prompts = StageStatus("done", {"records": 4})
+    shards = {f"shard-{i:05d}": ShardStatus(prompts, hidden_states=StageStatus("done", {"fp8_cosine": stat}))
               for i, stat in enumerate(stats)}
     assert fp8_fidelity(shards) == "min 0.9981, p1 0.9993, p50 0.9996 (lowest shard); 3 of 1200 rows under 0.999"
-    assert fp8_fidelity({"shard-00000": {"hidden_states": {"status": "done", "compression": "zstd"}}}) is None
+    zstd = ShardStatus(prompts, hidden_states=StageStatus("done", {"compression": "zstd"}))
+    assert fp8_fidelity({"shard-00000": zstd, "shard-00001": ShardStatus(prompts)}) is None
 
 
 def test_a_shard_of_the_format_before_compression_is_refused_by_name(bf16: TargetModel, store: RunStore) -> None:

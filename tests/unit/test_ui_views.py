@@ -116,10 +116,12 @@ def test_the_custom_profiles_example_in_the_form_is_a_valid_profile() -> None:
 def test_a_shortfall_names_the_shards_and_says_others_went_on_only_when_some_did(tmp_path: Path) -> None:
     from eagle3_datagen.storage import RunStore
     from tasks.run.report import run_shortfall
+    from tasks.run.status import PENDING, ShardStatus, StageStatus
 
     store = RunStore(str(tmp_path), "r")
-    done = {"sequences": {"status": "done"}}
-    one_short = run_shortfall({"shard-00000": done, "shard-00001": {}}, "sequences", 2, 0.5, store, "refused")
+    done = ShardStatus(prompts=StageStatus("done", {"records": 4}), sequences=StageStatus("done"))
+    short = ShardStatus(prompts=StageStatus("done", {"records": 4}), generations=PENDING)
+    one_short = run_shortfall({"shard-00000": done, "shard-00001": short}, "sequences", 2, 0.5, store, "refused")
     assert one_short == "refused; 1 of 2 shards did not finish (shard-00001; the others went on to sequences)"
-    all_short = run_shortfall({"shard-00000": {}, "shard-00001": {}}, "sequences", 2, 0.5, store, "refused")
+    all_short = run_shortfall({"shard-00000": short, "shard-00001": short}, "sequences", 2, 0.5, store, "refused")
     assert all_short == "refused; 2 of 2 shards did not finish (shard-00000, shard-00001)"
