@@ -7,8 +7,10 @@ prompt is rejected with a reason in rejected/prompts.jsonl instead of stopping t
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -52,6 +54,12 @@ _ROLES = {
 _SHAREGPT = ("conversations", "from", "value")
 _OPENAI = ("messages", "role", "content")
 _FORMS = {"sharegpt": (_SHAREGPT,), "openai": (_OPENAI,), "auto": (_SHAREGPT, _OPENAI)}
+
+
+# Hermes function calling (NousResearch): calls, results and the offered tools as tagged blocks in the text
+HERMES_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+HERMES_RESULT = re.compile(r"<tool_response>(.*?)</tool_response>", re.DOTALL)
+HERMES_TOOLS = re.compile(r"<tools>\s*([\[{].*?)\s*</tools>", re.DOTALL)  # not the prose's "<tools></tools>"
 
 
 class RowRejected(Eagle3Error, ValueError):
@@ -135,8 +143,10 @@ def normalize_conversation(row: dict[str, Any], fmt: PromptFormat = "auto") -> l
     as {role: tool, tool_call_id, name, content} (`name`: the function whose call they answer).
 
     Reads OpenAI messages (assistant `tool_calls`, `tool` messages with `tool_call_id`) and ShareGPT turns
-    (`function_call` and `observation` turns, as LLaMA-Factory writes function calling). Raises RowRejected with a
-    short reason when the row is unusable.
+    (`function_call` and `observation` turns, as LLaMA-Factory writes function calling; Hermes' `<tool_call>` and
+    `<tool_response>` blocks in `gpt` and `tool` turns, its system prompt's `<tools>` offered as the row's tools
+    and the prompt itself left to the served template). Raises RowRejected with a short reason when the row is
+    unusable.
     """
     form = next((f for f in _FORMS[fmt] if row.get(f[0]) is not None), None)
     if form is None:
@@ -168,10 +178,17 @@ def normalize_conversation(row: dict[str, Any], fmt: PromptFormat = "auto") -> l
             raise RowRejected("text is not valid UTF-8")
         if role == "user" and not text.strip():
             raise RowRejected(f"turn {i} is an empty user turn")
-        if role == "tool":
+        if role == "assistant" and HERMES_CALL.search(text):
+            calls = _hermes_calls(text, i)
+            messages.append({"role": "assistant", "content": HERMES_CALL.sub("", text).strip(), "tool_calls": calls})
+        elif role == "tool" and HERMES_RESULT.search(text):
+            messages += _hermes_results(text, calls, messages, i)
+        elif role == "tool":
             messages.append(_tool_result(turn, text, calls, messages, i))
         elif role == "assistant" and turn.get("tool_calls"):
             messages.append({"role": "assistant", "content": text, "tool_calls": calls})
+        elif role == "system" and HERMES_TOOLS.search(text):
+            continue  # Hermes' function-calling prompt: its tools are offered, the served template words the rest
         else:
             messages.append({"role": role, "content": text})
     if not any(message["role"] == "user" for message in messages):
@@ -231,6 +248,57 @@ def _arguments(function: dict[str, Any], turn: int) -> str:
         raise RowRejected(f"turn {turn} has tool-call arguments that are not JSON") from None
 
 
+def _loose_json(text: str, what: str) -> Any:
+    """JSON, or the Python literal Hermes datasets often write instead (single quotes, True/None)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        raise RowRejected(f"{what} is not JSON") from None
+
+
+def _hermes_calls(text: str, turn: int) -> list[dict[str, Any]]:
+    """The `<tool_call>{name, arguments}</tool_call>` blocks of a Hermes `gpt` turn, in order (parallel calls)."""
+    parsed = [_loose_json(block, f"turn {turn} <tool_call>") for block in HERMES_CALL.findall(text)]
+    if not all(isinstance(call, dict) and isinstance(call.get("name"), str) for call in parsed):
+        raise RowRejected(f"turn {turn} <tool_call> is not a {{name, arguments}} object")
+    return [{"id": f"call_{turn}_{k}", "type": "function",
+             "function": {"name": call["name"], "arguments": _arguments(call, turn)}} for k, call in enumerate(parsed)]
+
+
+def _hermes_results(text: str, calls: list[dict[str, Any]], before: list[dict[str, Any]],
+                    index: int) -> list[dict[str, Any]]:
+    """The `<tool_response>{name, content}</tool_response>` blocks of a Hermes `tool` turn, each paired with the
+    next unanswered call of its function."""
+    results: list[dict[str, Any]] = []
+    for block in HERMES_RESULT.findall(text):
+        response = _loose_json(block, f"turn {index} <tool_response>")
+        if not isinstance(response, dict) or not isinstance(response.get("name"), str):
+            raise RowRejected(f"turn {index} <tool_response> is not a {{name, content}} object")
+        answered = {r["tool_call_id"] for r in results}
+        call = next((c for c in calls if c["function"]["name"] == response["name"] and c["id"] not in answered), None)
+        content = response.get("content", "")
+        content = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+        results.append(_tool_result({"tool_call_id": call["id"] if call else "?"}, content, calls,
+                                    [*before, *results], index))
+    return results
+
+
+def _hermes_tools(conversation: Any) -> list[dict[str, Any]] | None:
+    """The tools a Hermes system prompt declares in `<tools>…</tools>`, if it is one."""
+    system = next((turn.get("value") for turn in conversation if isinstance(turn, dict)
+                   and turn.get("from") == "system" and isinstance(turn.get("value"), str)), None) \
+        if isinstance(conversation, list) else None
+    found = HERMES_TOOLS.search(system) if system else None
+    if not found:
+        return None
+    tools = _loose_json(found.group(1), "the system prompt's <tools>")
+    return tools if isinstance(tools, list) else [tools]
+
+
 def _tool_result(turn: dict[str, Any], text: str, calls: list[dict[str, Any]], before: list[dict[str, Any]],
                  index: int) -> dict[str, Any]:
     """A tool result and the function it answers: the call its `tool_call_id` names, else the next call in order."""
@@ -246,6 +314,8 @@ def _tool_result(turn: dict[str, Any], text: str, calls: list[dict[str, Any]], b
 def row_tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
     """The functions a row offers the model (`tools`, a list or its JSON text), in the protocol's shape."""
     tools = row.get("tools")
+    if tools in (None, "", []):
+        tools = _hermes_tools(row.get(_SHAREGPT[0]))
     if tools in (None, "", []):
         return None
     try:

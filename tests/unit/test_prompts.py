@@ -23,8 +23,10 @@ from tasks.prompts import (
     build_prompt_shards,
     load_prompts,
     load_rows,
+    normalize_conversation,
     normalize_messages,
     prompt_id,
+    row_tools,
     write_prompt_shards,
 )
 
@@ -419,6 +421,42 @@ def test_function_calling_rows_are_read_in_the_openai_and_the_sharegpt_shapes(tm
     assert prompt[2] == {"role": "tool", "tool_call_id": "b", "content": "sun"}
 
 
+HERMES_SYSTEM = ("You are a function calling AI model. You are provided with function signatures within "
+                 "<tools></tools> XML tags. <tools> [{'type': 'function', 'function': {'name': 'get_weather', "
+                 "'parameters': {'type': 'object', 'properties': {'city': {'type': 'string'}}}}}] </tools> For each "
+                 "function call return a json object within <tool_call></tool_call> XML tags as follows:\n<tool_call>\n"
+                 "{'arguments': <args-dict>, 'name': <function-name>}\n</tool_call>")
+
+
+def test_hermes_function_calling_rows_are_read_with_their_parallel_calls_and_their_tools(tmp_path: Path) -> None:
+    """NousResearch's Hermes shape: the tools in the system prompt's `<tools>` (Python literals, as its datasets
+    write them), calls as `<tool_call>` blocks in a `gpt` turn, results as `<tool_response>` blocks: each result
+    answers the next call of its function; the system prompt is the served template's to word."""
+    row = {"conversations": [
+        {"from": "system", "value": HERMES_SYSTEM},
+        {"from": "human", "value": "Weather in Oslo and Rome?"},
+        {"from": "gpt", "value": "<tool_call>\n{'arguments': {'city': 'Oslo'}, 'name': 'get_weather'}\n</tool_call>\n"
+                                 "<tool_call>\n{\"arguments\": {\"city\": \"Rome\"}, \"name\": \"get_weather\"}\n"
+                                 "</tool_call>"},
+        {"from": "tool", "value": "<tool_response>\n{\"name\": \"get_weather\", \"content\": \"snow\"}\n"
+                                  "</tool_response>\n<tool_response>\n{'name': 'get_weather', 'content': "
+                                  "{'sky': 'sun'}}\n</tool_response>"},
+        {"from": "gpt", "value": "Snow in Oslo, sun in Rome."}]}
+    conversation = normalize_conversation(row)
+    assert [m["role"] for m in conversation] == ["user", "assistant", "tool", "tool", "assistant"]
+    assert [c["function"]["arguments"] for c in conversation[1]["tool_calls"]] == ['{"city": "Oslo"}',
+                                                                                  '{"city": "Rome"}']
+    assert [(m["tool_call_id"], m["content"]) for m in conversation[2:4]] == [("call_2_0", "snow"),
+                                                                              ("call_2_1", '{"sky": "sun"}')]
+    assert row_tools(row) == [{"type": "function", "function": WEATHER}]
+    store = RunStore(str(tmp_path), "run")
+    [prompt] = store.read_jsonl(write_prompt_shards([row], store, 8, turns="rollout").shards[0].path)
+    assert prompt["messages"] == [{"role": "user", "content": "Weather in Oslo and Rome?"},
+                                  {"role": "tool", "name": "get_weather", "content": "snow"},
+                                  {"role": "tool", "name": "get_weather", "content": '{"sky": "sun"}'}]
+    assert prompt["tools"] == [{"type": "function", "function": WEATHER}]
+
+
 def test_the_offered_tools_are_part_of_a_prompts_id() -> None:
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
     assert prompt_id(messages) != prompt_id(messages, [{"type": "function", "function": WEATHER}])
@@ -431,6 +469,10 @@ def test_the_offered_tools_are_part_of_a_prompts_id() -> None:
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "tool_calls": [{"id": "x"}]}]},
      "turn 1 tool_calls is not a list of {id, function: {name, arguments}}"),
     (sharegpt(("user", "q"), ("function_call", "not json")), "turn 1 function_call is not JSON"),
+    (sharegpt(("user", "q"), ("gpt", "<tool_call>get_weather(Oslo)</tool_call>")), "turn 1 <tool_call> is not JSON"),
+    (sharegpt(("user", "q"), ("gpt", "<tool_call>{'name': 'a'}</tool_call>"),
+              ("tool", "<tool_response>{'name': 'b', 'content': 1}</tool_response>")),
+     "turn 2 is a tool result without a call before it"),
 ])
 def test_a_bad_function_calling_row_is_rejected_with_its_reason(tmp_path: Path, row: dict[str, Any],
                                                                   reason: str) -> None:
