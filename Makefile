@@ -39,7 +39,8 @@ $(TINY_MODEL)/.built: $(VENV)/.installed eagle3_datagen/testing/tiny_model.py ea
 	$(VENV)/bin/python -m eagle3_datagen.testing.tiny_model --out $(TINY_MODEL)
 	touch $@
 
-build/tiny-kimi/.built: $(VENV)/.installed eagle3_datagen/testing/tiny_model.py
+build/tiny-kimi/.built: $(VENV)/.installed eagle3_datagen/testing/tiny_model.py eagle3_datagen/testing/tiny_tool_calls.py \
+                        eagle3_datagen/data/demo_questions.jsonl eagle3_datagen/data/demo_tool_calls.jsonl
 	$(VENV)/bin/python -m eagle3_datagen.testing.tiny_model --out build/tiny-kimi --kimi-tokenizer $(KIMI_TOKENIZER)
 	touch $@
 

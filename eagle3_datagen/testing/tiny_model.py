@@ -28,6 +28,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.utils import logging as transformers_logging
 
+from eagle3_datagen.testing.tiny_tool_calls import TOOL_MARKUP_IDS, tool_call_rows
+
 DEMO_QUESTIONS = Path(__file__).parents[1] / "data" / "demo_questions.jsonl"
 
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -39,6 +41,8 @@ _SPLIT = (
 )
 AUX_LAYERS = (2, 4, 5)  # input-to-layer convention [2, N//2, N-3] for N = 8 layers
 MARGIN_ROWS = 320  # the training rows the format margin is checked on: the demo prompts' four times, then others
+TOOL_CONVERSATIONS = 160  # the Kimi model's tool-call conversations (each one to four training rows)
+TOOL_MARGIN_ROWS = 64  # and its tool-call rows the margin is checked on
 EXTRA_ROUNDS = 3  # gentler training rounds at most, while the format has no margin
 
 # Qwen3's template without tools: reasoning is kept only on assistant turns after the last user message
@@ -334,7 +338,8 @@ def build_tiny_model(out_dir: Path, seed: int = 0, steps: int = 250, check_margi
         with torch.random.fork_rng(devices=[]):  # seeds the weights without touching the caller's RNG
             torch.manual_seed(seed)
             structural = tokenizer.convert_tokens_to_ids([THINK_START, THINK_END, IM_END, PAD, IM_START])
-            model = _train_with_margin(Qwen3ForCausalLM(config), rows, rng, tokenizer.pad_token_id, steps, structural)
+            model = _train_with_margin(Qwen3ForCausalLM(config), rows, rng, tokenizer.pad_token_id, steps, structural,
+                                       rows[:MARGIN_ROWS])
             margin = format_margin(model, rows[:MARGIN_ROWS], structural, tokenizer.pad_token_id)
     finally:
         torch.set_num_threads(threads)
@@ -364,17 +369,19 @@ KIMI_THINK_ID, KIMI_THINK_END_ID = 163606, 163607
 KIMI_README = """# Tiny model on the Kimi-K2.5 vocabulary (eagle3-datagen)
 
 The tiny demo model's shape on the real Kimi-K2.5 tokenizer and template, trained to answer
-`{{reasoning}}</think>{{answer}}<|im_end|>` after the template's `<think>`. Not a useful language model.
+`{{reasoning}}</think>{{answer}}<|im_end|>` after the template's `<think>`, and to call the function-calling set's
+tools in Kimi-K2's tool-call sections (parallel calls included). Not a useful language model.
 Format margin on the demo prompts' taught replies (temperature 0.7): {margin}.
 """
 
 
-def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, steps: int = 500,
+def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, steps: int = 800,
                           check_margin: bool = True) -> Path:
     """The tiny model on the real Kimi-K2.5 vocabulary and template; same seed, same bytes; checked as the other.
 
-    Twice the other's steps: Kimi's reply has no separator between reasoning and answer, so ending the reasoning
-    and ending the turn look alike after a sentence, and 250 steps left end-of-turn in the nucleus there."""
+    More than three times the other's steps: Kimi's reply has no separator between reasoning and answer, so ending
+    the reasoning and ending the turn look alike after a sentence, and a second parallel call hangs on a word far
+    back (500 steps left end-of-turn, and a call where none is taught, in the nucleus)."""
     out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokenizer.chat_template = (tokenizer_dir / "chat_template.jinja").read_text(encoding="utf-8")
@@ -387,6 +394,9 @@ def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, ste
         reply = f"{reasoning}{THINK_END}{answer}{IM_END}" if thinking else f"{answer}{IM_END}"
         rows.append((tokenizer.encode(prompt, add_special_tokens=False),
                      tokenizer.encode(reply, add_special_tokens=False)))
+    calls = tool_call_rows(tokenizer, rng, count=TOOL_CONVERSATIONS)
+    rows += calls
+    margin_rows = rows[:MARGIN_ROWS] + calls[:TOOL_MARGIN_ROWS]
     # Trained on the ids the data uses (a few hundred): a 163,840-row embedding updated every step costs minutes.
     # Then widened to the whole vocabulary, where a few steps on the embedding alone teach the model never to
     # answer with an id it has not seen.
@@ -400,9 +410,9 @@ def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, ste
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             small = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(used), **shape))
-            structural = [KIMI_THINK_ID, KIMI_THINK_END_ID, KIMI_IM_END_ID, KIMI_EOS_ID]
-            small = _train_with_margin(small, [([compact[i] for i in p], [compact[i] for i in r]) for p, r in rows],
-                                       rng, compact[KIMI_PAD_ID], steps, [compact[i] for i in structural])
+            structural = [KIMI_THINK_ID, KIMI_THINK_END_ID, KIMI_IM_END_ID, KIMI_EOS_ID, *TOOL_MARKUP_IDS]
+            small = _train_with_margin(small, _compacted(rows, compact), rng, compact[KIMI_PAD_ID], steps,
+                                       [compact[i] for i in structural], _compacted(margin_rows, compact))
             model = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tokenizer), bos_token_id=KIMI_BOS_ID,
                                                  eos_token_id=KIMI_IM_END_ID, pad_token_id=KIMI_PAD_ID, **shape))
             weights = small.state_dict()
@@ -414,13 +424,13 @@ def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, ste
                 model.model.embed_tokens.weight.zero_()
                 model.model.embed_tokens.weight[torch.tensor(used)] = trained
             model.tie_weights()
-            _settle_unused_ids(model, rows, rng, KIMI_PAD_ID, structural)
-            margin = format_margin(model, rows[:MARGIN_ROWS], structural, KIMI_PAD_ID)
+            _settle_unused_ids(model, rows, rng, KIMI_PAD_ID, structural, used)
+            margin = format_margin(model, margin_rows, structural, KIMI_PAD_ID)
             for _ in range(EXTRA_ROUNDS):  # widening can leave an unused end id just inside the nucleus
                 if margin.holds:
                     break
-                _settle_unused_ids(model, rows, rng, KIMI_PAD_ID, structural)
-                margin = format_margin(model, rows[:MARGIN_ROWS], structural, KIMI_PAD_ID)
+                _settle_unused_ids(model, rows, rng, KIMI_PAD_ID, structural, used)
+                margin = format_margin(model, margin_rows, structural, KIMI_PAD_ID)
     finally:
         torch.set_num_threads(threads)
     if check_margin:
@@ -428,14 +438,21 @@ def build_tiny_kimi_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0, ste
     return _save(out_dir, model, tokenizer, [KIMI_IM_END_ID, KIMI_EOS_ID], KIMI_README.format(margin=margin))
 
 
+def _compacted(rows: list[tuple[list[int], list[int]]], compact: dict[int, int]) -> list[tuple[list[int], list[int]]]:
+    return [([compact[i] for i in prompt], [compact[i] for i in reply]) for prompt, reply in rows]
+
+
 def _settle_unused_ids(model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random,
-                       pad_id: int, structural: list[int], steps: int = 40) -> None:
-    """Train the (tied) embedding alone on the replies over the whole vocabulary: unused ids' logits sink.
+                       pad_id: int, structural: list[int], used: list[int], steps: int = 40) -> None:
+    """Train the unused ids' rows of the (tied) embedding on the replies over the whole vocabulary: their logits
+    sink. The used ids' rows stay as trained: moving them too once cost a taught tool token its margin.
 
     Logits are computed only where a reply token is predicted, which keeps each step small.
     """
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(name == "model.embed_tokens.weight")
+    kept = torch.tensor(used)
+    hook = model.model.embed_tokens.weight.register_hook(lambda grad: grad.index_fill(0, kept, 0.0))
     optimizer = torch.optim.Adam([model.model.embed_tokens.weight], lr=1e-2)
     batches = _batches(rows, batch_size=16, rng=rng, pad_id=pad_id)
     model.train()
@@ -448,6 +465,7 @@ def _settle_unused_ids(model: Qwen3ForCausalLM, rows: list[tuple[list[int], list
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    hook.remove()
     for parameter in model.parameters():
         parameter.requires_grad_(True)
     model.eval()
@@ -465,13 +483,13 @@ def _reply_loss(logits: torch.Tensor, targets: torch.Tensor, structural: torch.T
 
 def _train_with_margin(
     model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random, pad_id: int, steps: int,
-    structural: list[int],
+    structural: list[int], margin_rows: list[tuple[list[int], list[int]]],
 ) -> Qwen3ForCausalLM:
     """Train, then train on in shorter, gentler rounds while the format has no margin: float rounding differs from
     one CPU to another, and a machine whose rounding leaves a slip trains a little longer instead of failing."""
     model = _train(model, rows, rng, pad_id, steps, structural)
     for _ in range(EXTRA_ROUNDS):
-        if format_margin(model, rows[:MARGIN_ROWS], structural, pad_id).holds:
+        if format_margin(model, margin_rows, structural, pad_id).holds:
             break
         model = _train(model, rows, rng, pad_id, max(steps // 4, 40), structural, peak_lr=2e-3)
     return model
@@ -541,11 +559,13 @@ def format_margin(model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]
             probs = torch.softmax(model.lm_head(hidden[:, :-1][predicted]).float() / temperature, dim=-1)
             target = targets[predicted]
             end_probs = probs[:, ends]
-            # a token is in the nucleus when the tokens more likely than it hold less than `nucleus`
-            ahead = torch.stack([(probs * (probs > end_probs[:, [k]])).sum(dim=1) for k in range(len(structural))],
-                                dim=1)
             misplaced = ends[None, :] != target[:, None]
-            slips += int(((ahead < nucleus) & misplaced).any(dim=1).sum())
+            # A token is in the nucleus when the tokens more likely than it hold less than `nucleus`, so when those
+            # at most as likely hold more than 1 - nucleus: never where V·p is below that. Only the rest are summed.
+            position, token = (misplaced & (end_probs * probs.shape[1] > 1 - nucleus)).nonzero(as_tuple=True)
+            rival = end_probs[position, token, None]
+            ahead = (probs[position] * (probs[position] > rival)).sum(dim=1)
+            slips += len(set(position[ahead < nucleus].tolist()))
             taught = end_probs[~misplaced]
             weakest = min(weakest, float(taught.min())) if taught.numel() else weakest
             positions += int(predicted.sum())

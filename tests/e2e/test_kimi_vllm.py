@@ -14,6 +14,7 @@ turn. What is asserted of the model is only the share its build checks with marg
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Iterator
@@ -25,16 +26,24 @@ import pytest
 
 from cli.demo import demo_config
 from cli.runner import run_pipeline
+from eagle3_datagen.artifacts import prompt_id_of
 from eagle3_datagen.config import parse_config
+from eagle3_datagen.conversations import TOOL_RESULT_MISSING
+from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.tiny_model import build_tiny_kimi_model
+from eagle3_datagen.testing.tiny_tool_calls import TOOL_CALL_SET
 from eagle3_datagen.testing.vllm_server import LocalVLLMServer
+from tasks.export import export_run
 from tasks.generation import GenerationError
+from tasks.verify import verify_run
 
 KIMI_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "kimi-k2.5"
 THINK, END_THINK, IM_END = 163606, 163607, 163586
 # A small shard with one answer that ended inside its reasoning must not be quarantined here: these tests check
 # that such answers are kept and counted, whatever share a tiny model sampled on this machine gives.
 UNCLOSED_KEPT = {"max_unclosed_reasoning_rate": 0.5}
+TOOL_PARSER = ("--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2")
+SECTION_BEGIN, SECTION_END = 163595, 163596
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("prefect_api"),
               pytest.mark.skipif(not KIMI_TOKENIZER.is_dir(), reason="../shared/tokenizers/kimi-k2.5 is absent")]
@@ -52,7 +61,8 @@ def kimi_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def kimi_server(kimi_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalVLLMServer]:
     log_path = tmp_path_factory.mktemp("vllm-kimi") / "server.log"
-    with LocalVLLMServer(kimi_model, served_name="tiny-kimi", reasoning_parser="kimi_k2", log_path=log_path) as server:
+    with LocalVLLMServer(kimi_model, served_name="tiny-kimi", reasoning_parser="kimi_k2", log_path=log_path,
+                         extra_args=TOOL_PARSER) as server:
         yield server
 
 
@@ -177,3 +187,86 @@ def test_kimi_mixed_thinking_and_instant_run_is_exact_in_each_mode(
     by_mode = {row["mode"]: row for row in manifest["modes"]}
     assert (by_mode["thinking"]["kept"], by_mode["instant"]["kept"]) == (kept["thinking"], kept["instant"])
     assert by_mode["instant"]["refused"] == len(refused)
+
+
+def test_kimi_tool_calls_come_back_parsed_exact_and_paired_with_the_recorded_results(
+        kimi_model: Path, kimi_server: LocalVLLMServer, tmp_path: Path) -> None:
+    """The function-calling set as a rollout on vLLM's own `kimi_k2` tool parser, through hidden states and both
+    exports: every call the model writes comes back as `tool_calls` (its markup in the server's ids), each sample is
+    the server's ids, each call is answered by the dataset's result for its function in order (parallel calls
+    too), and a call the dataset has no result for ends its conversation as `tool_result_missing`.
+
+    The model is asserted only where its build checks the margin: it calls after the question's reasoning, once per
+    city, and writes no markup elsewhere. Which city a call names is its own (the tiny model often copies it wrong),
+    and results are paired by function, not by arguments."""
+    rows = [json.loads(line) for line in TOOL_CALL_SET.read_text().splitlines()]
+    config = kimi_config(kimi_model, kimi_server, tmp_path, validation=UNCLOSED_KEPT,
+                         data={"source": str(TOOL_CALL_SET), "shard_size": 4, "turns": "rollout"},
+                         hidden_states={"backend": "transformers", "model": str(kimi_model), "dtype": "float32"})
+    run_pipeline(config)
+    run = tmp_path / "kimi"
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "completed", manifest.get("cause")
+    verification = verify_run(RunStore.at(str(run)))
+    assert verification.complete and not verification.problems, verification.problems
+    records = [json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
+               for line in f.read_text().splitlines()]
+    conversations: dict[str, list[dict[str, Any]]] = {}
+    for record in sorted(records, key=lambda r: r["turn"]):
+        conversations.setdefault(prompt_id_of(record["id"]), []).append(record)
+    assert len(conversations) == len(rows) == 12
+    called = [r for r in records if r.get("tool_calls")]
+    for record in records:
+        completion = record["completion_token_ids"]
+        assert (SECTION_BEGIN in completion) == bool(record.get("tool_calls")), "markup in the ids is a parsed call"
+        for call in record.get("tool_calls") or []:
+            assert call["function"]["name"] in {"get_weather", "get_time"}
+            assert set(json.loads(call["function"]["arguments"])) == {"city"}, call
+    by_question = {next(m["content"] for m in row["messages"] if m["role"] == "user"): row for row in rows}
+    ends: dict[str, int] = {}
+    for kept in conversations.values():
+        unused = recorded_results(by_question[next(m["content"] for m in kept[0]["messages"] if m["role"] == "user")])
+        for record, after in itertools.pairwise(kept):
+            if record.get("tool_calls"):
+                answered = after["messages"][len(record["messages"]) + 1:]
+                assert [m["tool_call_id"] for m in answered] == [c["id"] for c in record["tool_calls"]]
+                expected = [unused[record["user_turn"]].pop(next(
+                    k for k, (name, _) in enumerate(unused[record["user_turn"]]) if name == c["function"]["name"]))[1]
+                    for c in record["tool_calls"]]
+                assert [m["content"] for m in answered] == expected, "each call gets its function's next result"
+        end = kept[-1].get("ended", "refused")  # a refused turn leaves no record: the one before it is the last
+        ends[end] = ends.get(end, 0) + 1
+        if end == TOOL_RESULT_MISSING:
+            assert kept[-1]["tool_calls"], "only a call ends a conversation for a missing result"
+    cairo = conversations[next(c for c, kept in conversations.items()
+                               if kept[0]["messages"][-1]["content"] == "What time is it in Cairo?")]
+    assert cairo[-1]["ended"] == TOOL_RESULT_MISSING, "the dataset recorded no time for Cairo"
+    assert sum(len(r["tool_calls"]) == 2 for r in called) >= 1, "a question on two cities makes parallel calls"
+    assert ends.get("complete", 0) >= 8, ends
+    sequences = [row for f in sorted((run / "sequences").glob("shard-*.parquet"))
+                 for row in pq.read_table(f).to_pylist()]
+    assert len(sequences) == len(records) == verification.samples
+    by_id = {r["id"]: r for r in records}
+    for row in sequences:
+        record = by_id[row["id"]]
+        assert row["input_ids"] == record["prompt_token_ids"] + record["completion_token_ids"]
+        assert row["source"] == "server"
+        assert_rebuild_explained(row, record["prompt_token_ids"], record["completion_token_ids"])
+    calls_rebuilt = [row for row in sequences if by_id[row["id"]].get("tool_calls") and row["agrees"] is True]
+    assert calls_rebuilt, "a call's text rebuild, markup rendered as the template does, equals the server's ids"
+    assert export_run(str(run), "speculators")["num_samples"] == len(records)
+    assert export_run(str(run), "specforge")["num_samples"] == len(records)
+
+
+def recorded_results(row: dict[str, Any]) -> list[list[tuple[str, str]]]:
+    """The dataset's (function, result) pairs of each user turn, in the order recorded."""
+    turns: list[list[tuple[str, str]]] = []
+    names: dict[str, str] = {}
+    for message in row["messages"]:
+        if message["role"] == "user":
+            turns.append([])
+        for call in message.get("tool_calls") or []:
+            names[call["id"]] = call["function"]["name"]
+        if message["role"] == "tool":
+            turns[-1].append((names[message["tool_call_id"]], message["content"]))
+    return turns
