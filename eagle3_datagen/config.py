@@ -59,11 +59,12 @@ class DataConfig(_Section):
     split: str = Field(default="train", description="Dataset split to read.")
     limit: PositiveInt | None = Field(default=None, description="Read at most this many rows.")
     shard_size: PositiveInt = Field(default=500, description="Prompts per shard (the unit of storage and re-runs).")
-    turns: Literal["each", "last", "rollout"] = Field(
-        default="each",
-        description="`each`: one prompt (and training sample) per user turn of a multi-turn row, after the "
-        "dataset's earlier answers; `last`: only the conversation up to its last user turn; `rollout`: the "
-        "conversation regenerated turn by turn on the model's own earlier answers (one sample per turn).",
+    turns: Literal["rollout", "each", "last"] = Field(
+        default="rollout",
+        description="`rollout`: the conversation regenerated turn by turn on the model's own earlier answers (one "
+        "sample per turn, tool calls answered with the row's recorded results); `each`: one prompt per user turn "
+        "of a multi-turn row, after the dataset's earlier answers (another model's words); `last`: only the "
+        "conversation up to its last user turn, after the dataset's answers.",
     )
     format: Literal["auto", "sharegpt", "openai"] = Field(
         default="auto", description="`sharegpt` (conversations: from/value), `openai` (messages: role/content)."

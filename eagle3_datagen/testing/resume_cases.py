@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from eagle3_datagen.artifacts import prompt_id_of
 from eagle3_datagen.testing.processes import as_from_a_terminal
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, signed_settings
 
@@ -200,8 +201,9 @@ def _final_violations(attempt: Attempt, run: Path, verified: int) -> list[str]:
             record = json.loads(line)
             text = record["messages"][-1]["content"]
             answered[text] = answered.get(text, 0) + 1
-            if shard_of.get(record["id"]) != path.name:
-                violations.append(f"{record['id']} is in {path.name}, its prompt in {shard_of.get(record['id'])}")
+            if shard_of.get(prompt_id_of(record["id"])) != path.name:
+                violations.append(f"{record['id']} is in {path.name}, its prompt in "
+                                  f"{shard_of.get(prompt_id_of(record['id']))}")
             if record["content"] is None or text[:40] not in record["content"]:
                 violations.append(f"{record['id']}: the answer is to another question")
             elif signed_settings(record["content"]) != attempt.settings:

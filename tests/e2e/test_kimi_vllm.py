@@ -23,6 +23,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from trainer_files import assert_the_trainers_read_every_sample
 
 from cli.demo import demo_config
 from cli.runner import run_pipeline
@@ -256,6 +257,7 @@ def test_kimi_tool_calls_come_back_parsed_exact_and_paired_with_the_recorded_res
     assert calls_rebuilt, "a call's text rebuild, markup rendered as the template does, equals the server's ids"
     assert export_run(str(run), "speculators")["num_samples"] == len(records)
     assert export_run(str(run), "specforge")["num_samples"] == len(records)
+    assert_the_trainers_read_every_sample(run, len(records))
 
 
 def recorded_results(row: dict[str, Any]) -> list[list[tuple[str, str]]]:

@@ -20,6 +20,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from trainer_files import assert_the_trainers_read_every_sample
 
 from cli.demo import DEMO_MODEL_NAME, demo_questions
 from cli.main import main
@@ -173,19 +174,7 @@ def test_a_rollout_regenerates_each_turn_on_its_own_answers_through_every_stage(
     assert sorted(row["id"] for row in sequences) == sorted(r["id"] for r in records)
     assert export_run(str(run), "speculators")["num_samples"] == 41
     assert export_run(str(run), "specforge")["num_samples"] == 41
-    trainers = Path(__file__).resolve().parents[2] / "build" / "trainers"
-    if not trainers.is_dir():
-        pytest.skip(f"the trainers are not installed in {trainers} (`make setup` installs them)")
-    sys.path.insert(0, str(trainers))
-    try:  # the trainers' own loaders read every turn's sample
-        speculators = pytest.importorskip("speculators.train.data").ArrowDataset(
-            max_len=4096, datapath=str(run / "exports" / "speculators"), on_missing="raise")
-        assert len(speculators) == 41 and all(isinstance(speculators[i], dict) for i in range(41))
-        specforge = pytest.importorskip("specforge.data.preprocessing").build_offline_eagle3_dataset(
-            str(run / "exports" / "specforge"), max_len=4096)
-        assert len(specforge) == 41 and specforge[40]["input_ids"].shape[-1] > 0
-    finally:
-        sys.path.remove(str(trainers))
+    assert_the_trainers_read_every_sample(run, 41)
 
 
 def test_changing_a_later_stage_reruns_only_that_stage(tiny_model: Path, server: ScriptedServer,

@@ -26,6 +26,7 @@ from tasks.prompts import (
     normalize_conversation,
     normalize_messages,
     prompt_id,
+    rollout_id,
     row_tools,
     write_prompt_shards,
 )
@@ -90,7 +91,7 @@ def test_both_forms_in_every_file_type_give_the_same_prompt_and_id(tmp_path: Pat
 def test_each_user_turn_of_a_multi_turn_row_is_its_own_prompt(tmp_path: Path) -> None:
     follow_up = [("user", "What is 2+2?"), ("assistant", "4"), ("user", "And 5+5?")]
     source = write_rows(tmp_path / "d.jsonl", [sharegpt(*CONVERSATION), sharegpt(*follow_up)])
-    result, store = run(tmp_path, source)
+    result, store = run(tmp_path, source, turns="each")
 
     records = all_records(store, result)
     turns = [[m["content"] for m in r["messages"]] for r in records]
@@ -98,7 +99,8 @@ def test_each_user_turn_of_a_multi_turn_row_is_its_own_prompt(tmp_path: Path) ->
                      ["What is 2+2?"], ["What is 2+2?", "4", "And 5+5?"]]
     assert [(r["row"], r["turn"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert (result.rows, result.accepted, result.rejected) == (2, 2, 0)
-    again, _ = run(tmp_path / "again", write_rows(tmp_path / "e.jsonl", [sharegpt(*follow_up), sharegpt(*follow_up)]))
+    again, _ = run(tmp_path / "again", write_rows(tmp_path / "e.jsonl", [sharegpt(*follow_up), sharegpt(*follow_up)]),
+                   turns="each")
     assert (again.accepted, again.rejected) == (1, 1), "a row whose every turn was seen is a duplicate"
 
 
@@ -200,7 +202,7 @@ def test_bad_rows_in_a_file_are_logged_and_the_good_ones_kept(tmp_path: Path) ->
     assert "content is int" in reasons[1]
     assert "unknown role 'critic'" in reasons[2]
     assert reasons[3] == "no user turn"
-    first_id = prompt_id([{"role": "user", "content": "question 0"}])
+    first_id = rollout_id([{"role": "user", "content": "question 0"}], None)  # the default: a conversation
     assert rejected[4] == {
         "row": 5,
         "id": first_id,
