@@ -280,20 +280,22 @@ def _hermes_results(text: str, calls: list[dict[str, Any]], before: list[dict[st
             raise RowRejected(f"turn {index} <tool_response> is not a {{name, content}} object")
         answered = {r["tool_call_id"] for r in results}
         call = next((c for c in calls if c["function"]["name"] == response["name"] and c["id"] not in answered), None)
+        if call is None:
+            raise _without_call(index)
         content = response.get("content", "")
         content = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
-        results.append(_tool_result({"tool_call_id": call["id"] if call else "?"}, content, calls,
-                                    [*before, *results], index))
+        results.append(_tool_result({"tool_call_id": call["id"]}, content, calls, [*before, *results], index))
     return results
 
 
 def _hermes_tools(conversation: Any) -> list[dict[str, Any]] | None:
-    """The tools a Hermes system prompt declares in `<tools>…</tools>`, if it is one."""
-    system = next((turn.get("value") for turn in conversation if isinstance(turn, dict)
-                   and turn.get("from") == "system" and isinstance(turn.get("value"), str)), None) \
-        if isinstance(conversation, list) else None
-    found = HERMES_TOOLS.search(system) if system else None
-    if not found:
+    """The tools a Hermes system prompt declares in `<tools>…</tools>`, if the conversation has one."""
+    if not isinstance(conversation, list):
+        return None
+    systems = [turn["value"] for turn in conversation if isinstance(turn, dict) and turn.get("from") == "system"
+               and isinstance(turn.get("value"), str)]
+    found = next((match for text in systems if (match := HERMES_TOOLS.search(text))), None)
+    if found is None:
         return None
     tools = _loose_json(found.group(1), "the system prompt's <tools>")
     return tools if isinstance(tools, list) else [tools]
@@ -307,8 +309,12 @@ def _tool_result(turn: dict[str, Any], text: str, calls: list[dict[str, Any]], b
     call = next((c for c in calls if c["id"] == wanted), None) if wanted else (
         calls[answered] if answered < len(calls) else None)
     if call is None or not before or before[-1 - answered]["role"] != "assistant":
-        raise RowRejected(f"turn {index} is a tool result without a call before it")
+        raise _without_call(index)
     return {"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"], "content": text}
+
+
+def _without_call(index: int) -> RowRejected:
+    return RowRejected(f"turn {index} is a tool result without a call before it")
 
 
 def row_tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -79,14 +79,18 @@ def _conversation(rng: random.Random) -> list[str]:
     ])
 
 
-def _answer(results: list[tuple[str, str, str]]) -> str:
+def _answer(called: list[tuple[str, str]]) -> str:
     """A canned answer: one that repeats a result's numbers would leave the next token open among many, the end
     and tool tokens inside the nucleus there (the format margin refused such a build)."""
-    if not results:
+    if not called:
         return "That is a small sum."
-    if len(results) > 1:
+    if len(called) > 1:
         return "Here is what the weather tool returned for both cities."
-    return f"Here is what the {'time' if results[0][0] == 'get_time' else 'weather'} tool returned."
+    return f"Here is what the {_tool_word(called)} tool returned."
+
+
+def _tool_word(called: list[tuple[str, str]]) -> str:
+    return "time" if called[0][0] == "get_time" else "weather"
 
 
 def tool_call_rows(tokenizer: PreTrainedTokenizerBase, rng: random.Random,
@@ -100,13 +104,9 @@ def tool_call_rows(tokenizer: PreTrainedTokenizerBase, rng: random.Random,
             messages.append({"role": "user", "content": question})
             called, reasoning = _turn(question)
             calls = [_call(name, city, index) for index, (name, city) in enumerate(called)]
-            events = [(reasoning, "", calls)]
-            results = [(name, city, _result(name, rng)) for name, city in called]
-            if calls:
-                events.append((f"The tool returned the {'time' if called[0][0] == 'get_time' else 'weather'}.",
-                               _answer(results), []))
-            else:
-                events[0] = (reasoning, _answer([]), [])
+            results = [_result(name, rng) for name, _ in called]
+            events = [(reasoning, "", calls), (f"The tool returned the {_tool_word(called)}.", _answer(called), [])] \
+                if called else [(reasoning, _answer(called), [])]
             for thought, content, step_calls in events:
                 prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                        add_generation_prompt=True)
@@ -118,7 +118,7 @@ def tool_call_rows(tokenizer: PreTrainedTokenizerBase, rng: random.Random,
                     messages.append({"role": "assistant", "content": "", "reasoning": thought,
                                      "tool_calls": _as_history(step_calls)})
                     messages += [{"role": "tool", "tool_call_id": call["id"], "content": value}
-                                 for call, (_, _, value) in zip(step_calls, results, strict=True)]
+                                 for call, value in zip(step_calls, results, strict=True)]
                 else:
                     messages.append({"role": "assistant", "content": content})
     return rows
