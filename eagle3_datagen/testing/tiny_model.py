@@ -371,7 +371,7 @@ KIMI_README = """# Tiny model on the Kimi-K2.5 vocabulary (eagle3-datagen)
 The tiny demo model's shape on the real Kimi-K2.5 tokenizer and template, trained to answer
 `{{reasoning}}</think>{{answer}}<|im_end|>` after the template's `<think>`, and to call the function-calling set's
 tools in Kimi-K2's tool-call sections (parallel calls included). Not a useful language model.
-Format margin on the demo prompts' taught replies (temperature 0.7): {margin}.
+Format margin on the taught replies of the demo prompts and of tool calls (temperature 0.7): {margin}.
 """
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 TOOL_CALL_SET = Path(__file__).parents[1] / "data" / "demo_tool_calls.jsonl"
-# Kimi-K2's tool-call markup: single tokens of the Kimi-K2.5 vocabulary (163595-163599)
+# Kimi-K2's tool-call markup: single tokens of the Kimi-K2.5 vocabulary, in the order of the strings above
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 TOOL_MARKUP_IDS = (163595, 163596, 163597, 163598, 163599)

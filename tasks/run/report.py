@@ -13,7 +13,7 @@ from typing import Any
 from eagle3_datagen.artifacts import MANIFEST
 from eagle3_datagen.conversations import TOOL_RESULT_MISSING
 from eagle3_datagen.storage import RunStore
-from tasks.run.status import ShardStatus
+from tasks.run.status import SHARD_STATUS_STAGES, ShardStatus
 
 
 def where_outputs_are(uri: str) -> str:
@@ -106,9 +106,6 @@ def render_report(run_name: str, run_uri: str, rows: list[dict[str, Any]], total
     return "\n".join(lines) + "\n"
 
 
-STAGES = ("generations", "validation", "sequences", "hidden_states")
-
-
 def run_shortfall(shards: dict[str, ShardStatus], last_stage: str, num_shards: int, min_accepted_rate: float,
                   store: RunStore, generation_error: str | None = None) -> str | None:
     """Why the run produced less than it should, as one line naming the shards; None when it is complete."""
@@ -121,7 +118,7 @@ def run_shortfall(shards: dict[str, ShardStatus], last_stage: str, num_shards: i
         which = f"{len(short)} of {num_shards} shards did not finish ({', '.join(short[:10])}{more}{others})"
         if generation_error:
             return f"{generation_error}; {which}"
-        why = next((f"{name} {stage}: {reasons[0]}; " for name in short for stage in STAGES
+        why = next((f"{name} {stage}: {reasons[0]}; " for name in short for stage in SHARD_STATUS_STAGES
                     if (reasons := shards[name].stage(stage).get("reasons"))), "")
         return (f"{which}: {why}see {store.uri}/{MANIFEST}; fix the cause and run again (finished shards are not "
                 "redone)")

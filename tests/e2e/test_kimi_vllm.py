@@ -32,7 +32,7 @@ from eagle3_datagen.config import parse_config
 from eagle3_datagen.conversations import TOOL_RESULT_MISSING
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.tiny_model import build_tiny_kimi_model
-from eagle3_datagen.testing.tiny_tool_calls import TOOL_CALL_SET
+from eagle3_datagen.testing.tiny_tool_calls import TOOL_CALL_SET, TOOL_MARKUP_IDS
 from eagle3_datagen.testing.vllm_server import LocalVLLMServer
 from tasks.export import export_run
 from tasks.generation import GenerationError
@@ -44,7 +44,6 @@ THINK, END_THINK, IM_END = 163606, 163607, 163586
 # that such answers are kept and counted, whatever share a tiny model sampled on this machine gives.
 UNCLOSED_KEPT = {"max_unclosed_reasoning_rate": 0.5}
 TOOL_PARSER = ("--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2")
-SECTION_BEGIN, SECTION_END = 163595, 163596
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("prefect_api"),
               pytest.mark.skipif(not KIMI_TOKENIZER.is_dir(), reason="../shared/tokenizers/kimi-k2.5 is absent")]
@@ -219,7 +218,8 @@ def test_kimi_tool_calls_come_back_parsed_exact_and_paired_with_the_recorded_res
     called = [r for r in records if r.get("tool_calls")]
     for record in records:
         completion = record["completion_token_ids"]
-        assert (SECTION_BEGIN in completion) == bool(record.get("tool_calls")), "markup in the ids is a parsed call"
+        section_begin = TOOL_MARKUP_IDS[0]
+        assert (section_begin in completion) == bool(record.get("tool_calls")), "markup in the ids is a parsed call"
         for call in record.get("tool_calls") or []:
             assert call["function"]["name"] in {"get_weather", "get_time"}
             assert set(json.loads(call["function"]["arguments"])) == {"city"}, call
