@@ -83,7 +83,7 @@ def measure(prompts: int, reasoning_chars: int, work: Path, tokenizer: Path) -> 
         started = time.time()
         command = subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", str(config)], cwd=REPO,
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        sampler = threading.Thread(target=lambda: _sample(command, samples), daemon=True)
+        sampler = threading.Thread(target=lambda: sample_rss(command, samples), daemon=True)
         sampler.start()
         output, _ = command.communicate()
         sampler.join()
@@ -101,7 +101,7 @@ def measure(prompts: int, reasoning_chars: int, work: Path, tokenizer: Path) -> 
     return {**peaks, "seconds": time.time() - started}
 
 
-def _sample(command: subprocess.Popen[str], samples: list[tuple[float, float]]) -> None:
+def sample_rss(command: subprocess.Popen[str], samples: list[tuple[float, float]]) -> None:
     while command.poll() is None:
         samples.append((time.time(), rss_mib(command.pid)))
         time.sleep(0.1)

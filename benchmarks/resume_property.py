@@ -9,8 +9,6 @@ totals (cases, attempts, kill points, refusals, violations: must be 0). Cases ar
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import shutil
 import tempfile
@@ -22,13 +20,10 @@ from prefect.testing.utilities import prefect_test_harness
 
 from cli.demo import DEMO_MODEL_NAME, tiny_model_dir
 from cli.main import main as command
-from eagle3_datagen.testing.resume_cases import draw_case, run_case
+from eagle3_datagen.testing.resume_cases import draw_case, run_case, verify_at_both_depths
 from eagle3_datagen.think_tokens import load_tokenizer
 
-
-def verify(run: Path) -> int:
-    with contextlib.redirect_stdout(io.StringIO()):
-        return command(["verify", str(run)])
+verify = verify_at_both_depths(command)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 MAX_LISTED = 20  # missing artifacts listed by `verify` before it summarizes
+PROGRESS_EVERY_S = 5.0  # a deep `verify` prints how far it is this often
 RUNS_A_FLOW = ("run", "demo", "rerun-failed")
 
 
@@ -50,10 +51,22 @@ def cmd_rerun_failed(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from eagle3_datagen.storage import RunStore
-    from tasks.verify import verify_run
+    import time
 
-    result = verify_run(RunStore.at(args.run))
+    from eagle3_datagen.storage import RunStore
+    from tasks.verify import progress_line, verify_run
+
+    store = RunStore.at(args.run)
+    if args.deep and _recorded_on_ray(store):
+        return _verify_on_ray(args.run)
+    started, shown = time.monotonic(), [time.monotonic()]
+
+    def progress(done: int, total: int, bytes_read: int) -> None:  # a line every few seconds, and the last
+        if args.deep and (time.monotonic() - shown[0] > PROGRESS_EVERY_S or done == total):
+            shown[0] = time.monotonic()
+            print(progress_line(done, total, bytes_read, shown[0] - started), flush=True)
+
+    result = verify_run(store, deep=args.deep, progress=progress)
     print(f"rows {result.rows}: {result.rows - result.rejected_rows} gave prompts, {result.rejected_rows} rejected")
     print(f"prompts {result.prompts} = accepted {result.accepted} + rejected {result.rejected} + quarantined "
           f"{result.quarantined} + pending {result.pending}; {result.samples} training samples")
@@ -65,6 +78,25 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"problem: {problem}")
     print(result.verdict())
     return 0 if result.complete else 1
+
+
+def _recorded_on_ray(store: Any) -> bool:
+    from eagle3_datagen.artifacts import MANIFEST
+
+    manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
+    return manifest.get("config", {}).get("execution", {}).get("task_runner") == "ray"
+
+
+def _verify_on_ray(run: str) -> int:
+    """A deep check of a run recorded on Ray: its shards as Ray tasks, through the verify flow."""
+    from cli.local_api import start_local_api, wait_for_local_api
+
+    start_local_api()
+    wait_for_local_api()
+    from flows.pipeline import verify_for
+
+    verify_for(run)(run, deep=True)
+    return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -126,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     rerun.set_defaults(func=cmd_rerun_failed)
     verify = commands.add_parser("verify", help="check a run's invariant: every row accepted once or rejected")
     verify.add_argument("run", help="the run folder")
+    verify.add_argument("--deep", action="store_true",
+                        help="read every byte (checksums, ids, every hidden-state part) instead of the structure alone")
     verify.set_defaults(func=cmd_verify)
     export = commands.add_parser("export", help="write a run's hidden states as SpecForge or speculators files")
     export.add_argument("run", help="the run folder")

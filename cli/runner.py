@@ -36,6 +36,7 @@ def result_storage_for(config: PipelineConfig) -> Any:
 
 
 BOOKKEEPING_TASKS = ("start-run", "finish-run", "generated-shards")
+PAGE = 200  # task runs per request: the Prefect server answers at most its PREFECT_API_DEFAULT_LIMIT (200)
 
 
 def stage_of(task_run_name: str) -> str:
@@ -49,8 +50,13 @@ async def _stage_lines(flow_run_id: UUID) -> list[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    async with get_client() as client:
-        runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    runs: list[Any] = []
+    async with get_client() as client:  # in pages: the server answers at most PAGE runs at a time
+        while page := await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), offset=len(runs), limit=PAGE):
+            runs += page
+            if len(page) < PAGE:
+                break
     by_stage: dict[str, list[Any]] = defaultdict(list)
     for run in sorted(runs, key=lambda r: r.start_time or r.expected_start_time):
         by_stage[stage_of(run.name)].append(run)

@@ -19,7 +19,9 @@ Layout under `{output_uri}/{run_name}/`:
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, NotRequired, TypedDict
 
@@ -95,6 +97,40 @@ def sha256_hex(*buffers: bytes | memoryview) -> str:
     for buffer in buffers:
         digest.update(buffer)
     return digest.hexdigest()
+
+
+HASH_BLOCK_BYTES = 16 << 20
+HASH_THREADS = min(8, os.cpu_count() or 1)
+
+
+def blocks_sha256_hex(*buffers: bytes | memoryview, block_bytes: int = HASH_BLOCK_BYTES) -> str:
+    """The sha256 of the sha256 digests of the buffers' bytes cut into blocks of `block_bytes`, the blocks hashed
+    on several threads: one sha256 keeps up with about 1 GB/s on a core, a GPU's hidden states come faster.
+
+    The blocks follow the bytes, not the buffers, so a file written as buffers and read back whole agree.
+    """
+    blocks: list[list[memoryview]] = [[]]
+    room = block_bytes
+    for buffer in buffers:
+        view = memoryview(buffer).cast("B")
+        while len(view):
+            if room == 0:
+                blocks.append([])
+                room = block_bytes
+            blocks[-1].append(view[:room])
+            room -= len(blocks[-1][-1])
+            view = view[len(blocks[-1][-1]):]
+
+    def digest(pieces: list[memoryview]) -> bytes:
+        block = hashlib.sha256()
+        for piece in pieces:
+            block.update(piece)  # releases the GIL: the threads hash at once
+        return block.digest()
+
+    if len(blocks) == 1:
+        return hashlib.sha256(digest(blocks[0])).hexdigest()
+    with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="hash-blocks") as pool:
+        return hashlib.sha256(b"".join(pool.map(digest, blocks))).hexdigest()
 
 
 class GenerationRecord(TypedDict):

@@ -6,9 +6,9 @@ Under `hidden_states/shard-NNNNN/` the extraction stage writes:
                           offsets [n+1] int64 (sample k is rows offsets[k]:offsets[k+1]); metadata names ids,
                           layers and the compression.
   final_norm.safetensors  the final RMSNorm's weight [H]; its eps in the metadata and the index.
-  index.json              parts with checksums, sample id -> [part, row], layer ids in both conventions, model
-                          fingerprint, compression (and fp8's cosine to the model-dtype states). Written last: its
-                          presence means the shard is complete.
+  index.json              parts with checksums (each part's blocks' sha256), sample id -> [part, row], layer
+                          ids in both conventions, model fingerprint, compression (and fp8's cosine to the
+                          model-dtype states). Written last: its presence means the shard is complete.
 
 Compression applies to the two state tensors only; ids, mask and offsets are always stored as they are. Under
 `zstd` a state tensor is stored as `NAME.zstd`, its bytes split into planes (every value's first byte, then every
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -37,12 +37,15 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load as load_safetensors
 
-from eagle3_datagen.artifacts import sha256_hex
+from eagle3_datagen.artifacts import HASH_BLOCK_BYTES, blocks_sha256_hex, sha256_hex
 from eagle3_datagen.config import Compression
 from eagle3_datagen.errors import ConfigurationError, UserError
 from eagle3_datagen.storage import RunStore
 
-FORMAT = "eagle3-hidden-states/3"  # /3: parts may be compressed (their metadata and the index say how)
+# /4: a part's checksum is `sha256_blocks` (its blocks hashed on several threads); /3: parts may be compressed
+# (their metadata and the index say how), each part's checksum a plain `sha256`
+FORMAT = "eagle3-hidden-states/4"
+READABLE_FORMATS = ("eagle3-hidden-states/3", FORMAT)
 FINAL_STATE = "before_norm"
 FINAL_NORM_FILE = "final_norm.safetensors"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -108,6 +111,23 @@ class Sample:
     @property
     def nbytes(self) -> int:
         return sum(getattr(self, name).nbytes for name in PART_TENSORS)
+
+def check_finite(states: torch.Tensor, sample_ids: Sequence[str], lengths: Sequence[int] | None = None,
+                 what: str = "hidden states") -> None:
+    """NaN or Inf must not reach a trainer: refuse the first sample whose states hold one, by name.
+
+    `states` is [samples, tokens, ...] on whatever device it was made (one reduction there, before any copy), a
+    sample's tokens past its length (padding) not counted. Summed in float32: NaN and Inf survive a sum, and no
+    finite bf16 or fp16 row overflows it.
+    """
+    bad = ~torch.isfinite(states.flatten(2).sum(-1, dtype=torch.float32))  # [samples, tokens]
+    if lengths is not None:
+        positions = torch.arange(bad.shape[1], device=bad.device)
+        bad &= positions[None] < torch.tensor(lengths, device=bad.device)[:, None]
+    rows = bad.any(-1)
+    if bool(rows.any()):
+        raise HiddenStatesError(f"sample {sample_ids[int(rows.nonzero()[0])]!r}: {what} have NaN or Inf values")
+
 
 def final_rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The target's final RMSNorm, computed as transformers does (fp32 statistics, scale in the states' dtype).
@@ -250,18 +270,31 @@ def cosine_summary(cosines: torch.Tensor) -> dict[str, Any]:
 def check_format(index: dict[str, Any], index_rel: str) -> None:
     """An index of another format version or final-state convention is refused by name: its parts would be
     misread."""
-    if index.get("format") != FORMAT or index.get("final_state") != FINAL_STATE:
+    if index.get("format") not in READABLE_FORMATS or index.get("final_state") != FINAL_STATE:
         raise HiddenStatesError(
             f"{index_rel} is {index.get('format')!r} with its final state {index.get('final_state')!r}, this "
-            f"version reads {FORMAT!r} ({FINAL_STATE}): run hidden_states again"
+            f"version reads {' and '.join(map(repr, READABLE_FORMATS))} ({FINAL_STATE}): run hidden_states again"
         )
 
 
+def part_checksum(buffers: list[memoryview]) -> dict[str, Any]:
+    """What the index keeps to check a part's bytes: its blocks' sha256 (see `blocks_sha256_hex`)."""
+    return {"sha256_blocks": {"block_bytes": HASH_BLOCK_BYTES, "digest": blocks_sha256_hex(*buffers)}}
+
+
+def matches_checksum(data: bytes, part: dict[str, Any]) -> bool:
+    """A part's bytes against its index entry, whichever checksum it was written with (/3: a plain sha256)."""
+    if "sha256" in part:
+        return sha256_hex(data) == part["sha256"]
+    blocks = part["sha256_blocks"]
+    return blocks_sha256_hex(data, block_bytes=blocks["block_bytes"]) == blocks["digest"]
+
+
 def read_part(store: RunStore, index_rel: str, part: dict) -> dict[str, torch.Tensor]:
-    """One part of a finished shard, checked against the index's size and sha256, decoded to plain tensors."""
+    """One part of a finished shard, checked against the index's size and checksum, decoded to plain tensors."""
     rel = posixpath.join(posixpath.dirname(index_rel), part["file"])
     data = store.read_bytes(rel)
-    if len(data) != part["bytes"] or sha256_hex(data) != part["sha256"]:
+    if len(data) != part["bytes"] or not matches_checksum(data, part):
         raise HiddenStatesError(f"{rel} does not match its checksum in {index_rel}: re-run hidden_states")
     return _decode_part(data)
 

@@ -200,8 +200,11 @@ class RunStore:
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
         return parse_jsonl(self.read_bytes(rel))
 
-    def write_jsonl(self, rel: str, rows: list[dict[str, Any]]) -> None:
-        self.write_text(rel, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    def write_jsonl(self, rel: str, rows: list[dict[str, Any]]) -> int:
+        """The rows as JSON Lines; returns the file's bytes."""
+        data = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows).encode()
+        self.write_bytes(rel, data)
+        return len(data)
 
     @contextmanager
     def open(self, rel: str, mode: str = "rb", **kwargs: Any) -> Iterator[IO[Any]]:
@@ -223,6 +226,15 @@ class RunStore:
             return []
         names = sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(folder, detail=False))
         return [posixpath.join(rel_dir, n) for n in names if n.endswith(suffix) and ".tmp-" not in n]
+
+    def sizes(self, rel_dir: str) -> dict[str, int]:
+        """Every file under `rel_dir`, at any depth, and its bytes: one listing (paginated on an object store),
+        no file read. Listed afresh, like `list`."""
+        folder = self.path(rel_dir)
+        self.fs.invalidate_cache(folder)
+        found = self._retrying(lambda: self.fs.find(folder, detail=True)) if self.fs.exists(folder) else {}
+        return {posixpath.relpath(path, self.root): int(info["size"]) for path, info in found.items()
+                if info.get("type") != "directory" and ".tmp-" not in path}
 
     def shard_files_outside(self, shards: set[int]) -> list[str]:
         """Every later stage's files and folders (`SHARD_STAGES`) of shards not in `shards`: left by an earlier

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import time
+from dataclasses import asdict
 from typing import Any
 
 from prefect import Flow, flow, unmapped
-from prefect.futures import PrefectFuture
+from prefect.futures import PrefectFuture, as_completed
 from prefect.utilities.annotations import allow_failure
 
-from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
-from eagle3_datagen.errors import user_errors_one_line_in_the_ui
+from eagle3_datagen.artifacts import MANIFEST
+from eagle3_datagen.config import ExecutionConfig, HiddenStatesConfig, PipelineConfig
+from eagle3_datagen.errors import UserError, user_errors_one_line_in_the_ui
 from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement, task_runner_for
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.hidden_state_format import check_compression
@@ -38,7 +41,7 @@ from tasks.run.lifecycle import (
 )
 from tasks.sequences import SequenceSettings, build_sequence_shard
 from tasks.validation import ValidationSettings, reopen_quarantined_shards, validate_generations
-from tasks.verify import rerun_plan, verify_run
+from tasks.verify import conclude, progress_line, rerun_plan, start_verification, verify_run, verify_shard
 
 
 @flow(name="eagle3-datagen", flow_run_name=run_named(), log_prints=True, on_completion=[close_run_log],
@@ -87,6 +90,13 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
 
     every_stage = [allow_failure(f) for f in [generation, *validated, *sequences, *hidden]]  # failed ones too
     return finish_run.submit(context, prompts=prompts, generation=generated, wait_for=every_stage).result()
+
+
+PROGRESS_EVERY_S = 5.0
+
+
+class RunNotVerified(UserError):
+    """The run is not complete and consistent: the verdict says why."""
 
 
 # The pipeline for deployments whose runs use a Ray cluster (execution.task_runner: ray), named by the worker's
@@ -156,3 +166,39 @@ def export(run: str, format: ExportFormat, out: str | None = None) -> dict[str, 
     plan = plan_export(run, format, out)
     shards = export_shard_task.map(unmapped(plan), plan.shards)
     return finish_export_task.submit(plan, wait_for=shards).result()
+
+
+@flow(name="eagle3-verify", flow_run_name=run_named("verify"), log_prints=True)
+def verify(run: str, deep: bool = False) -> dict[str, Any]:
+    """Check a run's invariant from storage: its structure (no data read), or with `deep` every byte, its shards
+    on the run's task runner (a Ray cluster's nodes for a run recorded with `execution.task_runner: ray`).
+
+    Args:
+        run: The run folder, absolute (`/data/runs/my-run`) or `s3://bucket/prefix/my-run`.
+        deep: Read every byte (checksums, ids, every hidden-state part) instead of the structure alone.
+    """
+    user_errors_one_line_in_the_ui()
+    store = RunStore.at(settled_run(run))
+    result, layout = start_verification(store, deep)
+    if layout is not None:
+        location = RunLocation(*store.uri.rstrip("/").rsplit("/", 1))
+        futures = verify_shard.map(unmapped(location), layout.shards, layout=unmapped(layout), deep=unmapped(deep))
+        findings, started, shown = [], time.monotonic(), time.monotonic()
+        for future in as_completed(futures):
+            findings.append(future.result())
+            if time.monotonic() - shown > PROGRESS_EVERY_S or len(findings) == len(futures):
+                shown = time.monotonic()
+                print(progress_line(len(findings), len(futures), sum(f.bytes_read for f in findings),
+                                    shown - started))
+        result = conclude(result, layout, findings, store)
+    print(result.verdict())
+    if not result.complete:
+        raise RunNotVerified(result.verdict())
+    return asdict(result)
+
+
+def verify_for(run: str) -> Flow[[str, bool], dict[str, Any]]:
+    """The verify flow on the task runner the run was recorded with (Ray's for a run on Ray)."""
+    store = RunStore.at(run)
+    recorded = store.read_json(MANIFEST).get("config", {}).get("execution", {}) if store.exists(MANIFEST) else {}
+    return verify.with_options(task_runner=task_runner_for(ExecutionConfig.model_validate(recorded)))

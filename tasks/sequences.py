@@ -335,8 +335,10 @@ def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run:
         rejected += chunk.rejected
         rebuilt_from_text += chunk.rebuilt_from_text
         count_mismatches += chunk.count_mismatches
-    if rejected:
-        store.write_jsonl(rejected_path("sequences", generations.index), rejected)
+    rejected_rel = rejected_path("sequences", generations.index)
+    rejected_bytes = store.write_jsonl(rejected_rel, rejected) if rejected else 0
+    if not rejected:
+        store.remove(rejected_rel)  # an earlier attempt's
     rate = count_mismatches / rebuilt_from_text if rebuilt_from_text else 0.0
     if rate > max_rebuild_mismatch_rate:
         raise RebuildMismatch(
@@ -345,5 +347,10 @@ def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run:
             f"{max_rebuild_mismatch_rate:.1%}): see {rejected_path('sequences', generations.index)} for each cause; "
             "use a server that returns token ids (vLLM >= 0.10.2) for exact sequences"
         )
+    accepted = {prompt_id_of(i) for table in tables for i in table.column("id").to_pylist()}
+    # what a structural `verify` reads instead of the shard
+    account = {"accepted_prompts": len(accepted), "rejected_samples": len(rejected), "rejected_bytes": rejected_bytes,
+               "rejected_prompts": len({prompt_id_of(row["id"]) for row in rejected} - accepted)}
     return store.write_shard_bytes("sequences", generations.index, to_parquet(tables),
-                                   sum(table.num_rows for table in tables), generations_sha256=generations.sha256)
+                                   sum(table.num_rows for table in tables), generations_sha256=generations.sha256,
+                                   **account)

@@ -1,33 +1,85 @@
-"""The run invariant, checked from storage alone (after any faulty run, and by `eagle3-datagen verify`).
+"""The run invariant, checked from storage alone (after any faulty run, by `eagle3-datagen verify`, and before
+`rerun-failed` plans its work).
 
-Shards are enumerated from the prompt stage's files, not from the manifest (which a killed run never
-finishes): every input row is accepted exactly once or rejected with a reason, no id is duplicated, every
-stage's artifact of every shard exists, checksums match the manifest where it recorded one, and every
-hidden-state part and final norm reads back. A run is vouched for only if it is complete and consistent.
+Two depths. The structural check (the default) reads no data: one listing per stage (every file and its size),
+then per shard its completion markers, validation verdict and hidden-state index. It follows each shard's chain,
+prompts → generations → sequences → hidden states: every file has the size its marker vouches for, every marker
+names the previous stage's file as it is now, and the counts the markers keep add up. Its time grows with the
+shards, not the bytes. The deep check (`--deep`) reads every byte: every row accepted exactly once or rejected
+with a reason, no id twice, a rollout's transcript as it was asked, checksums, every hidden-state part and final
+norm read back. A shard no marker vouches for (written by an older version, or cut short between file and
+marker) is read in the structural check too.
+
+Shards are enumerated from the prompt stage's files, not from the manifest (which a killed run never finishes). A
+run is vouched for only if it is complete and consistent.
 """
 
 from __future__ import annotations
 
+import copy
 import io
+import json
+import posixpath
 from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow.parquet as pq
+from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import (
     MANIFEST,
     PROMPTS_SUMMARY,
     REJECTED_PATH,
+    SHARD_STAGES,
     artifact_path,
     prompt_id_of,
     rejected_path,
     sha256_hex,
+    shard_index_of,
     shard_name,
 )
 from eagle3_datagen.conversations import Ended, answer_of, next_turn, turn_id
-from eagle3_datagen.hidden_state_format import HiddenStatesError, read_final_norm, read_hidden_state_shard
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.hidden_state_format import (
+    FINAL_NORM_FILE,
+    HiddenStatesError,
+    check_format,
+    read_final_norm,
+    read_hidden_state_shard,
+)
+from eagle3_datagen.storage import RunLocation, RunStore, marker_path
+
+READERS = 16  # markers and indexes read at once: an object store answers each in tens of milliseconds
+
+
+@dataclass
+class ShardFindings:
+    """What one shard adds to the run's account."""
+
+    index: int
+    prompts: int = 0
+    samples: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    quarantined: int = 0
+    pending: int = 0
+    missing: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    in_quarantine: bool = False
+    rows: set[int] = field(default_factory=set)  # input rows its prompts came from (read only by the deep check)
+    bytes_read: int = 0
+
+    @property
+    def unfinished(self) -> bool:
+        return bool(self.missing)
+
+    def mark_missing(self, rel: str, pending: int) -> ShardFindings:
+        self.missing.append(rel)
+        self.pending += pending
+        return self
 
 
 @dataclass
@@ -36,6 +88,7 @@ class Verification:
 
     status: str = "missing"  # the manifest's: completed, failed, cancelled, or running (killed, or still going)
     cause: str | None = None
+    deep: bool = False
     rows: int = 0
     rejected_rows: int = 0  # by the prompt stage, each with its reason
     prompts: int = 0  # one per accepted row, one per user turn of it (data.turns: each), one per conversation
@@ -44,6 +97,7 @@ class Verification:
     rejected: int = 0  # prompts refused by the server or dropped by the length policy, with reasons
     quarantined: int = 0
     pending: int = 0
+    bytes_read: int = 0
     quarantined_shards: list[int] = field(default_factory=list)
     unfinished_shards: list[int] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # stage artifacts a finished run would have
@@ -56,7 +110,7 @@ class Verification:
     def verdict(self) -> str:
         """One line: vouched for, or why not."""
         if self.complete:
-            return "run complete and consistent"
+            return "run complete and consistent" + ("" if self.deep else " (structure; --deep reads every byte)")
         if self.status == "running":
             why = "the run did not end (killed or crashed, or still running elsewhere)"
         elif self.status == "missing":
@@ -66,6 +120,240 @@ class Verification:
         parts = [f"{len(self.missing)} artifacts missing" if self.missing else "",
                  f"{len(self.problems)} problems" if self.problems else ""]
         return "NOT complete: " + "; ".join([why, *filter(None, parts)])
+
+    def absorb(self, found: ShardFindings) -> None:
+        for name in ("prompts", "samples", "accepted", "rejected", "quarantined", "pending", "bytes_read"):
+            setattr(self, name, getattr(self, name) + getattr(found, name))
+        self.missing += found.missing
+        self.problems += found.problems
+        if found.unfinished:
+            self.unfinished_shards.append(found.index)
+        if found.in_quarantine:
+            self.quarantined_shards.append(found.index)
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """What every shard's check needs from the run as a whole, read once: the shards, what the manifest recorded
+    of each, whether hidden states are expected, and every file's size (one listing per stage)."""
+
+    shards: list[int]
+    recorded: dict[str, dict[str, Any]]
+    hidden: bool
+    sizes: dict[str, int]
+    summary: dict[str, Any]
+
+
+def start_verification(store: RunStore, deep: bool) -> tuple[Verification, RunLayout | None]:
+    """The run-wide part of the check; no layout when the prompt stage never finished (nothing more to check)."""
+    manifest: dict[str, Any] = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
+    result = Verification(status=manifest.get("status", "missing"), cause=manifest.get("cause"), deep=deep)
+    if not store.exists(PROMPTS_SUMMARY):
+        result.missing.append(f"{PROMPTS_SUMMARY} (the prompt stage did not finish)")
+        return result, None
+    summary = store.read_json(PROMPTS_SUMMARY)
+    sizes = {rel: size for stage in ("prompts", *SHARD_STAGES) for rel, size in store.sizes(stage).items()}
+    shards = sorted(int(rel[len("prompts/shard-"):-len(".jsonl")]) for rel in sizes
+                    if rel.startswith("prompts/shard-") and rel.endswith(".jsonl"))
+    if shards != list(range(summary["shards"])):
+        result.problems.append(f"prompts: shards {shards} in storage, {summary['shards']} written")
+    strays = sorted({rel.split("/")[0] + "/" + rel.split("/")[1] for rel in sizes
+                     if not rel.startswith("prompts/") and rel.count("/") >= 1
+                     and (index := shard_index_of(rel.split("/")[1])) is not None and index not in shards})
+    if strays:
+        result.problems.append(f"{len(strays)} files of shards the prompts no longer have, e.g. {strays[0]}: a "
+                               "folder read whole would hold their prompts twice (run the pipeline again)")
+    hidden = manifest.get("config", {}).get("hidden_states", {}).get("backend") != "none"
+    return result, RunLayout(shards, manifest.get("shards", {}), hidden, sizes, summary)
+
+
+def conclude(result: Verification, layout: RunLayout, findings: Iterable[ShardFindings],
+             store: RunStore) -> Verification:
+    """The run's account from its shards' findings: every input row and every prompt accounted for once."""
+    rows: set[int] = set()
+    for found in sorted(findings, key=lambda found: found.index):
+        result.absorb(found)
+        rows |= found.rows
+    result.rows = layout.summary["rows"]
+    if result.deep:
+        result.rejected_rows = len(store.read_jsonl(REJECTED_PATH)) if store.exists(REJECTED_PATH) else 0
+        accepted_rows = len(rows)
+    else:
+        result.rejected_rows = layout.summary.get("rejected_rows", 0)
+        accepted_rows = layout.summary.get("accepted_rows", result.rows - result.rejected_rows)
+    if accepted_rows + result.rejected_rows != result.rows:
+        result.problems.append(f"input rows {result.rows} != rows with prompts {accepted_rows} + rejected "
+                               f"rows {result.rejected_rows}")
+    if result.accepted + result.rejected + result.quarantined + result.pending != result.prompts:
+        result.problems.append(
+            f"prompts {result.prompts} != accepted {result.accepted} + rejected {result.rejected} + "
+            f"quarantined {result.quarantined} + pending {result.pending}"
+        )
+    return result
+
+
+def verify_run(store: RunStore, deep: bool = False, threads: int = READERS,
+               progress: Callable[[int, int, int], None] | None = None) -> Verification:
+    """Walk prompts → generations → sequences → hidden states of every shard in storage; account for every row.
+
+    Shards are checked on `threads` threads; `progress` hears (shards done, shards, bytes read) after each.
+    """
+    result, layout = start_verification(store, deep)
+    if layout is None:
+        return result
+    findings: list[ShardFindings] = []
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verify") as pool:
+        for found in pool.map(lambda index: check_shard(store, index, layout, deep), layout.shards):
+            findings.append(found)
+            if progress is not None:
+                progress(len(findings), len(layout.shards), sum(found.bytes_read for found in findings))
+    return conclude(result, layout, findings, store)
+
+
+def check_shard(store: RunStore, index: int, layout: RunLayout, deep: bool) -> ShardFindings:
+    """One shard's account, structural or deep; a shard no marker vouches for is read whatever the depth. A file
+    that cannot be parsed is a problem named by its path, not a crash."""
+    store, reads = _logging_reads(store)
+    found = ShardFindings(index)
+    try:
+        structure = None if deep else _shard_structure(store, layout, index)
+        if structure is None:
+            _shard_contents(store, layout, found)
+        else:
+            found = structure
+    except (ValueError, KeyError, TypeError) as error:  # what JSON, Parquet and safetensors parsers raise
+        found.problems.append(f"{shard_name(index)}: {reads.last} cannot be read ({type(error).__name__}: {error}): "
+                              "run the pipeline again")
+    found.bytes_read = reads.bytes
+    return found
+
+
+@dataclass
+class _Reads:
+    bytes: int = 0
+    last: str = ""
+
+
+def _logging_reads(store: RunStore) -> tuple[RunStore, _Reads]:
+    """A copy of the store that counts what it reads (for the progress line) and keeps the last file's name."""
+    logged, reads, read_bytes = copy.copy(store), _Reads(), store.read_bytes
+
+    def read(rel: str) -> bytes:
+        reads.last = rel
+        data = read_bytes(rel)
+        reads.bytes += len(data)
+        return data
+
+    logged.read_bytes = read  # type: ignore[method-assign]
+    return logged, reads
+
+
+@task(name="verify-shard", task_run_name="verify-shard-{index:05d}", cache_policy=NO_CACHE, persist_result=False)
+def verify_shard(run: RunLocation, index: int, layout: RunLayout, deep: bool) -> ShardFindings:
+    """`check_shard` as a Prefect task: a deep check's shards on the run's task runner (Ray's nodes, say)."""
+    return check_shard(run.store(), index, layout, deep)
+
+
+def progress_line(done: int, total: int, bytes_read: int, seconds: float) -> str:
+    """How far a check is: shards, bytes read and their rate."""
+    return (f"verify: {done}/{total} shards, {bytes_read / 1e9:.2f} GB read "
+            f"({bytes_read / 1e6 / max(seconds, 1e-9):.0f} MB/s, {seconds:.0f} s)")
+
+
+def _vouched(store: RunStore, layout: RunLayout, rel: str, *facts: str) -> dict[str, Any] | None:
+    """The completion marker of a listed file, if it vouches for the file's size now and keeps `facts`."""
+    if marker_path(rel) not in layout.sizes:
+        return None
+    marker = store.read_json(marker_path(rel))
+    if marker.get("bytes") != layout.sizes.get(rel) or any(fact not in marker for fact in facts):
+        return None
+    return marker
+
+
+def _sized(layout: RunLayout, rel: str, expected: int, problems: list[str], whose: str) -> None:
+    size = layout.sizes.get(rel, 0)
+    if size != expected:
+        problems.append(f"{rel} has {size} bytes, {whose} says {expected}: run the pipeline again")
+
+
+def _shard_structure(store: RunStore, layout: RunLayout, index: int) -> ShardFindings | None:
+    """The shard's account from its markers, verdict and index and the listing's sizes; None if a file it needs
+    has no marker vouching for it (the caller reads the shard instead)."""
+    name, found, recorded = shard_name(index), ShardFindings(index), layout.recorded.get(shard_name(index), {})
+    problems = found.problems
+    prompts = _vouched(store, layout, artifact_path("prompts", index))
+    if prompts is None:
+        return None
+    found.prompts = prompts["num_records"]
+    gen_rel = artifact_path("generations", index)
+    if gen_rel not in layout.sizes:
+        return found.mark_missing(gen_rel, found.prompts)
+    generations = _vouched(store, layout, gen_rel, "prompts_answered")
+    if generations is None:
+        return None
+    if generations["prompts_sha256"] != prompts["sha256"]:
+        problems.append(f"{name} generations: made from other prompts than {artifact_path('prompts', index)} holds")
+    _sized(layout, rejected_path("generations", index), generations["rejected_bytes"], problems,
+           f"the marker of {gen_rel}")
+    answered = generations["prompts_answered"]
+    if answered + generations["prompts_refused"] != found.prompts:
+        problems.append(f"{name} generations: prompts and generated + rejected ids differ")
+    found.rejected += generations["prompts_refused"]
+    _check_recorded(recorded, "generations", generations["sha256"], gen_rel, problems)
+    validation = artifact_path("validation", index)
+    if validation not in layout.sizes:
+        return found.mark_missing(validation, answered)
+    if store.read_json(validation)["status"] == "quarantine":
+        found.quarantined, found.in_quarantine = answered, True
+        return found
+    seq_rel = artifact_path("sequences", index)
+    if seq_rel not in layout.sizes:
+        return found.mark_missing(seq_rel, answered)
+    sequences = _vouched(store, layout, seq_rel, "accepted_prompts")
+    if sequences is None:
+        return None
+    if sequences["generations_sha256"] != generations["sha256"]:
+        problems.append(f"{name} sequences: made from other generations than {gen_rel} holds")
+    _sized(layout, rejected_path("sequences", index), sequences["rejected_bytes"], problems,
+           f"the marker of {seq_rel}")
+    if sequences["num_records"] + sequences["rejected_samples"] != generations["num_records"]:
+        problems.append(f"{name} sequences: generated and sequence + rejected ids differ")
+    _check_recorded(recorded, "sequences", sequences["sha256"], seq_rel, problems)
+    found.rejected += sequences["rejected_prompts"]
+    accepted, samples = sequences["accepted_prompts"], sequences["num_records"]
+    if layout.hidden:
+        index_rel = artifact_path("hidden_states", index)
+        if index_rel not in layout.sizes:
+            return found.mark_missing(index_rel, accepted)
+        data = store.read_bytes(index_rel)
+        _check_recorded(recorded, "hidden_states", sha256_hex(data), index_rel, problems)
+        shard_index = json.loads(data)
+        try:
+            check_format(shard_index, index_rel)
+        except HiddenStatesError as error:
+            problems.append(f"{name} hidden_states: {error}")
+            return found
+        if shard_index["sequences_sha256"] != sequences["sha256"]:
+            problems.append(f"{name} hidden_states: made from other sequences than {seq_rel} holds")
+        if shard_index["num_samples"] != samples or len(shard_index["samples"]) != samples:
+            problems.append(f"{name} hidden_states: samples differ from the sequences")
+        folder = posixpath.dirname(index_rel)
+        for part in shard_index["parts"]:
+            _sized(layout, posixpath.join(folder, part["file"]), part["bytes"], problems, index_rel)
+        if posixpath.join(folder, FINAL_NORM_FILE) not in layout.sizes:
+            problems.append(f"{name} hidden_states: {index_rel}: its final norm is missing: re-run hidden_states")
+        accepted = len({prompt_id_of(i) for i in shard_index["samples"]})
+    found.accepted += accepted
+    found.samples += samples
+    return found
+
+
+def _check_recorded(recorded: dict[str, Any], stage: str, sha256: str | None, rel: str, problems: list[str]
+                    ) -> None:
+    """The manifest's checksum of a stage's file, where it recorded one, must be the file's now (None: absent)."""
+    sha = recorded.get(stage, {}).get("sha256")
+    if sha and sha != sha256:
+        problems.append(f"{stage}: {rel} does not match the checksum in the manifest")
 
 
 def _ids_of_jsonl(store: RunStore, rel: str) -> list[str]:
@@ -78,67 +366,24 @@ def _check_once(stage: str, shard: str, ids: list[str], problems: list[str]) -> 
         problems.append(f"{shard} {stage}: duplicate ids {doubled[:5]}")
 
 
-def _prompt_shards(store: RunStore) -> list[int]:
-    return [int(rel.rsplit("-", 1)[1].removesuffix(".jsonl")) for rel in store.list("prompts", ".jsonl")]
-
-
-def verify_run(store: RunStore) -> Verification:
-    """Walk prompts → generations → sequences → hidden states of every shard in storage; account for every row."""
-    manifest: dict[str, Any] = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
-    result = Verification(status=manifest.get("status", "missing"), cause=manifest.get("cause"))
-    if not store.exists(PROMPTS_SUMMARY):
-        result.missing.append(f"{PROMPTS_SUMMARY} (the prompt stage did not finish)")
-        return result
-    summary = store.read_json(PROMPTS_SUMMARY)
-    result.rows = summary["rows"]
-    result.rejected_rows = len(store.read_jsonl(REJECTED_PATH)) if store.exists(REJECTED_PATH) else 0
-    indexes = _prompt_shards(store)
-    if indexes != list(range(summary["shards"])):
-        result.problems.append(f"prompts: shards {indexes} in storage, {summary['shards']} written")
-    strays = store.shard_files_outside(set(indexes))
-    if strays:
-        result.problems.append(f"{len(strays)} files of shards the prompts no longer have, e.g. {strays[0]}: a "
-                               "folder read whole would hold their prompts twice (run the pipeline again)")
-    hidden = manifest.get("config", {}).get("hidden_states", {}).get("backend") != "none"
-    accepted_rows: set[int] = set()
-    for index in indexes:
-        accepted_rows |= _verify_shard(store, index, manifest.get("shards", {}).get(shard_name(index), {}), hidden,
-                                       result)
-    if len(accepted_rows) + result.rejected_rows != result.rows:
-        result.problems.append(f"input rows {result.rows} != rows with prompts {len(accepted_rows)} + rejected "
-                               f"rows {result.rejected_rows}")
-    if result.accepted + result.rejected + result.quarantined + result.pending != result.prompts:
-        result.problems.append(
-            f"prompts {result.prompts} != accepted {result.accepted} + rejected {result.rejected} + "
-            f"quarantined {result.quarantined} + pending {result.pending}"
-        )
-    return result
-
-
-def _mark_missing(result: Verification, index: int, rel: str) -> None:
-    result.missing.append(rel)
-    result.unfinished_shards.append(index)
-
-
-def _verify_shard(store: RunStore, index: int, recorded: dict[str, Any], hidden: bool,
-                  result: Verification) -> set[int]:
-    """Account for one shard's prompts; returns the input rows they came from."""
-    name, problems = shard_name(index), result.problems
+def _shard_contents(store: RunStore, layout: RunLayout, found: ShardFindings) -> None:
+    """Account for one shard's prompts from every byte of its files, into `found`."""
+    index = found.index
+    name = shard_name(index)
+    problems, recorded = found.problems, layout.recorded.get(shard_name(index), {})
     prompts = store.read_jsonl(artifact_path("prompts", index))
     prompt_ids = [prompt["id"] for prompt in prompts]
-    result.prompts += len(prompt_ids)
+    found.prompts = len(prompt_ids)
+    found.rows = {prompt["row"] for prompt in prompts}
     _check_once("prompts", name, prompt_ids, problems)
     for stage in ("generations", "sequences", "hidden_states"):
-        sha = recorded.get(stage, {}).get("sha256")
         rel = artifact_path(stage, index)
-        if sha and (not store.exists(rel) or sha256_hex(store.read_bytes(rel)) != sha):
-            problems.append(f"{name} {stage}: {rel} does not match the checksum in the manifest")
-    rows = {prompt["row"] for prompt in prompts}
+        if recorded.get(stage, {}).get("sha256"):
+            sha = sha256_hex(store.read_bytes(rel)) if rel in layout.sizes else None
+            _check_recorded(recorded, stage, sha, rel, problems)
     generations = artifact_path("generations", index)
     if not store.exists(generations):
-        _mark_missing(result, index, generations)
-        result.pending += len(prompt_ids)
-        return rows
+        return found.mark_missing(generations, len(prompt_ids))
     records = store.read_jsonl(generations)  # read once: ids, and a rollout's transcripts
     generated_ids = [record["id"] for record in records]
     generated = {prompt_id_of(i) for i in generated_ids}
@@ -146,7 +391,7 @@ def _verify_shard(store: RunStore, index: int, recorded: dict[str, Any], hidden:
     refused = store.read_jsonl(refused_rel) if store.exists(refused_rel) else []
     gen_rejected = [prompt_id_of(row["id"]) for row in refused]
     rollout = bool(prompts) and "turns" in prompts[0]
-    result.rejected += len(set(gen_rejected) - generated) if rollout else len(gen_rejected)
+    found.rejected += len(set(gen_rejected) - generated) if rollout else len(gen_rejected)
     if sorted(generated | set(gen_rejected)) != sorted(prompt_ids) or (generated & set(gen_rejected)
                                                                         and not rollout):
         problems.append(f"{name} generations: prompts and generated + rejected ids differ")
@@ -154,42 +399,35 @@ def _verify_shard(store: RunStore, index: int, recorded: dict[str, Any], hidden:
         problems += _transcript_problems(name, prompts, records, refused)
     validation = artifact_path("validation", index)
     if not store.exists(validation):
-        _mark_missing(result, index, validation)
-        result.pending += len(generated)
-        return rows
+        return found.mark_missing(validation, len(generated))
     if store.read_json(validation)["status"] == "quarantine":
-        result.quarantined += len(generated)
-        result.quarantined_shards.append(index)
-        return rows
+        found.quarantined, found.in_quarantine = len(generated), True
+        return found
     sequences = artifact_path("sequences", index)
     if not store.exists(sequences):
-        _mark_missing(result, index, sequences)
-        result.pending += len(generated)
-        return rows
+        return found.mark_missing(sequences, len(generated))
     seq_ids = pq.read_table(io.BytesIO(store.read_bytes(sequences)), columns=["id"]).column("id").to_pylist()
     _check_once("sequences", name, seq_ids, problems)
     seq_rejected = _ids_of_jsonl(store, rejected_path("sequences", index))
-    result.rejected += len({prompt_id_of(i) for i in seq_rejected} - {prompt_id_of(i) for i in seq_ids})
+    found.rejected += len({prompt_id_of(i) for i in seq_rejected} - {prompt_id_of(i) for i in seq_ids})
     if sorted(seq_ids + seq_rejected) != sorted(generated_ids):
         problems.append(f"{name} sequences: generated and sequence + rejected ids differ")
     final_ids = seq_ids
-    if hidden:
+    if layout.hidden:
         index_rel = artifact_path("hidden_states", index)
         if not store.exists(index_rel):
-            _mark_missing(result, index, index_rel)
-            result.pending += len({prompt_id_of(i) for i in seq_ids})
-            return rows
+            return found.mark_missing(index_rel, len({prompt_id_of(i) for i in seq_ids}))
         try:
             final_ids = [sample.id for sample in read_hidden_state_shard(store, index_rel)]
             read_final_norm(store, index_rel)
         except HiddenStatesError as error:
             problems.append(f"{name} hidden_states: {error}")
-            return rows
+            return found
         if sorted(final_ids) != sorted(seq_ids):
             problems.append(f"{name} hidden_states: samples differ from the sequences")
-    result.accepted += len({prompt_id_of(i) for i in final_ids})
-    result.samples += len(final_ids)
-    return rows
+    found.accepted += len({prompt_id_of(i) for i in final_ids})
+    found.samples += len(final_ids)
+    return found
 
 
 def _transcript_problems(name: str, prompts: list[dict[str, Any]], records: list[dict[str, Any]],

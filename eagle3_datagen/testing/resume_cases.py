@@ -11,6 +11,8 @@ clean and nothing rejected, or the run was refused with one line and lost nothin
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -19,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -178,14 +181,31 @@ def _files(folder: Path) -> dict[str, bytes]:
         if folder.is_dir() else {}
 
 
+DEPTHS_DISAGREE = -1  # what `verify_at_both_depths` returns when the structure and the bytes disagree
+
+
+def verify_at_both_depths(command: Callable[[list[str]], int]) -> Callable[[Path], int]:
+    """`verify RUN` and `verify --deep RUN` through `command` (the CLI's main), quietly: the deep check's exit
+    status, or DEPTHS_DISAGREE when the structural check alone said otherwise."""
+
+    def verify(run: Path) -> int:
+        with contextlib.redirect_stdout(io.StringIO()):
+            structure, deep = (command(["verify", *depth, str(run)]) for depth in ([], ["--deep"]))
+        return deep if structure == deep else DEPTHS_DISAGREE
+
+    return verify
+
+
 def _final_violations(attempt: Attempt, run: Path, verified: int) -> list[str]:
     """What the final, completed run broke of the property."""
     violations = []
     manifest = json.loads((run / "manifest.json").read_text())
     if manifest["status"] != "completed":
         violations.append(f"final status {manifest['status']}: {manifest.get('cause')}")
-    if verified != 0:
-        violations.append(f"verify exited {verified}")
+    if verified == DEPTHS_DISAGREE:
+        violations.append("verify and verify --deep disagree")
+    elif verified != 0:
+        violations.append(f"verify --deep exited {verified}")
     shard_of = {}
     for path in sorted((run / "prompts").glob("shard-*.jsonl")):
         for line in path.read_text().splitlines():

@@ -444,10 +444,18 @@ def finalize_shard(store: RunStore, state: ShardState) -> ShardRef:
     ordered = [state.entries[p] for p in sorted(state.entries)]
     lines = [line for e in ordered for line in e.get("lines", [])]
     rejected = [e["rejected"] for e in ordered if "rejected" in e]
-    if rejected:
-        store.write_jsonl(rejected_path("generations", state.ref.index), rejected)
+    rejected_rel = rejected_path("generations", state.ref.index)
+    rejected_bytes = store.write_jsonl(rejected_rel, rejected) if rejected else 0
+    if not rejected:
+        store.remove(rejected_rel)  # an earlier attempt's, of prompts no longer in the shard
     data = "".join(line + "\n" for line in lines).encode()
-    ref = store.write_shard_bytes("generations", state.ref.index, data, len(lines), prompts_sha256=state.ref.sha256)
+    answered = sum(bool(e.get("lines")) for e in ordered)
+    # what a structural `verify` reads instead of the shard: a rollout whose later turn was refused keeps the turns
+    # before it, so its prompt counts as answered, not refused
+    account = {"prompts_answered": answered, "prompts_refused": len(ordered) - answered,
+               "rejected_bytes": rejected_bytes}
+    ref = store.write_shard_bytes("generations", state.ref.index, data, len(lines), prompts_sha256=state.ref.sha256,
+                                  **account)
     state.pending = []  # the shard is written: nothing of it needs keeping any more
     state.close()
     state.log_path.unlink(missing_ok=True)

@@ -23,11 +23,11 @@ from eagle3_datagen.hidden_state_format import (
     FINAL_STATE,
     FORMAT,
     PART_TENSORS,
-    STATE_TENSORS,
     HiddenStatesError,
     Sample,
     cosine_summary,
     encode_part,
+    part_checksum,
     save_safetensors,
 )
 from eagle3_datagen.storage import RunStore
@@ -80,10 +80,11 @@ def _list_column(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tens
 class _PartWriter:
     """Buffers samples and writes a part as soon as it holds part_size_bytes, so a shard never sits in memory.
 
-    A part is checked, encoded, hashed and written on a thread of its own while the next one fills: hashing and
-    writing release the GIL, so on a GPU they overlap the forward passes instead of adding to them. One part at a
-    time, so at most two are in memory. Under fp8 it keeps every stored row's cosine to the model-dtype row (4
-    floats per token) for the index.
+    A part is encoded, hashed (its blocks on several threads) and written on a thread of its own while the next
+    one fills: hashing and writing release the GIL, so on a GPU they overlap the forward passes instead of adding
+    to them. The backends check the states are finite where they are made, before this. One part at a time, so at
+    most two are in memory. Under fp8 it keeps every stored row's cosine to the model-dtype row (4 floats per
+    token) for the index.
     """
 
     def __init__(self, store: RunStore, folder: str, part_size_bytes: int, metadata: dict[str, str],
@@ -128,10 +129,6 @@ class _PartWriter:
             writing.result()
 
     def _write(self, number: int, samples: list[Sample]) -> None:
-        for sample in samples:
-            for name in STATE_TENSORS:
-                if not torch.isfinite(getattr(sample, name)).all():
-                    raise HiddenStatesError(f"sample {sample.id!r}: {name} has NaN or Inf values")
         ids = [sample.id for sample in samples]
         lengths = [len(sample.input_ids) for sample in samples]
         pieces = {name: [getattr(sample, name) for sample in samples] for name in PART_TENSORS}
@@ -143,7 +140,7 @@ class _PartWriter:
             self.cosines.append(encoded.cosines)
         self.parts.append({"file": name, "num_samples": len(ids), "num_tokens": sum(lengths),
                            "bytes": sum(buffer.nbytes for buffer in encoded.buffers),
-                           "sha256": sha256_hex(*encoded.buffers)})
+                           **part_checksum(encoded.buffers)})
 
 
 def write_shard(

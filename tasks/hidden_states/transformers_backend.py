@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.fingerprints import fingerprint
-from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample, final_rms_norm
+from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample, check_finite, final_rms_norm
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.batching import plan_batches
 from tasks.hidden_states.parts import TokenSequence, write_shard
@@ -94,11 +94,13 @@ _FORWARD_LOCK = threading.Lock()
 
 
 def capture_batch(
-    target: TargetModel, aux_layers: Sequence[int], sequences: Sequence[torch.Tensor]
+    target: TargetModel, aux_layers: Sequence[int], sequences: Sequence[torch.Tensor],
+    ids: Sequence[str] | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One forward pass over a right-padded batch; per sequence (aux [t, 3H], final [t, H]) on CPU, unpadded.
 
-    Hooks keep only the needed states: output_hidden_states would hold all N+1 of them for the whole batch.
+    Hooks keep only the needed states: output_hidden_states would hold all N+1 of them for the whole batch. They
+    are checked finite on the model's device, before the copy (a sample named by `ids`, else by its row).
     """
     base = target.base
     longest = max(len(seq) for seq in sequences)
@@ -138,8 +140,12 @@ def capture_batch(
             )
     final = captured[target.num_layers]
     _check_final_norm(final, normed[0], base.norm.weight, target.norm_eps)
+    aux = torch.cat([captured.pop(i) for i in aux_layers], dim=-1)
+    names, lengths = ids or [f"row {row}" for row in range(len(sequences))], [len(seq) for seq in sequences]
+    check_finite(aux, names, lengths, "aux_hidden_states")
+    check_finite(final, names, lengths, "final_hidden_states")
     # one copy to the host per batch, not per row and layer: each row is then a view of it (padding dropped)
-    aux = torch.cat([captured.pop(i) for i in aux_layers], dim=-1).cpu()
+    aux = aux.cpu()
     final = final.to("cpu", copy=True)
     return [(aux[row, : len(seq)], final[row, : len(seq)]) for row, seq in enumerate(sequences)]
 
@@ -160,7 +166,8 @@ def extract_shard(
 
     def samples(sequences: list[TokenSequence], aux_layers: list[int]) -> Generator[Sample, None, None]:
         for batch in plan_batches([len(seq.input_ids) for seq in sequences], settings.max_tokens_per_batch):
-            states = capture_batch(target, aux_layers, [sequences[i].input_ids for i in batch])
+            states = capture_batch(target, aux_layers, [sequences[i].input_ids for i in batch],
+                                   [sequences[i].id for i in batch])
             for i, (aux, final) in zip(batch, states, strict=True):
                 seq = sequences[i]
                 yield Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final)

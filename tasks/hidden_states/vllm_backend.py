@@ -28,7 +28,7 @@ from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.fingerprints import fingerprint
-from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample
+from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample, check_finite
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.parts import TokenSequence, write_shard
 from tasks.hidden_states.targets import TargetInfo
@@ -234,5 +234,6 @@ def served_sample(
             f"{expected} {dtype}: start it with --dtype {str(dtype).removeprefix('torch.')} and "
             f"eagle_aux_hidden_state_layer_ids {layer_ids}"
         )
+    check_finite(states[None], [seq.id])
     aux = states[:, :-1].reshape(len(input_ids), -1)  # [T, 3, H] -> [T, 3H]: the layers side by side, in order
     return Sample(seq.id, seq.input_ids, seq.loss_mask, aux, states[:, -1].contiguous())

@@ -103,6 +103,39 @@ def test_every_stage_runs_and_a_second_run_is_all_cached(tiny_model: Path, serve
     assert second["totals"] == first["totals"]
 
 
+def test_verify_checks_the_structure_without_reading_data_and_deep_reads_every_byte(
+        tiny_model: Path, server: ScriptedServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run_pipeline(config(tiny_model, server.url, tmp_path))
+    run, store = tmp_path / "flow", RunStore.at(str(tmp_path / "flow"))
+    data = sum(f.stat().st_size for stage in ("generations", "sequences", "hidden_states")
+               for f in (run / stage).rglob("*") if f.suffix in (".jsonl", ".parquet", ".safetensors"))
+    structure, deep = verify_run(store), verify_run(store, deep=True)
+    assert structure.complete and deep.complete, (structure.problems, deep.problems)
+    assert (structure.prompts, structure.accepted, structure.samples) == (deep.prompts, deep.accepted, deep.samples)
+    assert structure.bytes_read < 0.05 * data <= deep.bytes_read, "markers and indexes only, then every byte"
+
+    part = sorted((run / "hidden_states" / "shard-00001").glob("part-*.safetensors"))[-1]
+    flipped = bytearray(part.read_bytes())
+    flipped[-1] ^= 0xFF
+    part.write_bytes(bytes(flipped))
+    assert verify_run(store).complete, "a byte changed in place is for --deep: the structure holds"
+    assert main(["verify", "--deep", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"verify: 2/2 shards, [\d.]+ GB read", out)
+    assert f"problem: shard-00001 hidden_states: hidden_states/shard-00001/{part.name} does not match its " \
+           "checksum in hidden_states/shard-00001/index.json: re-run hidden_states" in out
+
+    part.write_bytes(bytes(flipped[:-100]))
+    (run / "sequences" / "shard-00000.parquet").write_bytes(b"replaced")
+    assert main(["verify", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert f"problem: hidden_states/shard-00001/{part.name} has {len(flipped) - 100} bytes, " \
+           f"hidden_states/shard-00001/index.json says {len(flipped)}: run the pipeline again" in out
+    assert "problem: sequences: sequences/shard-00000.parquet does not match the checksum in the manifest" in out
+    assert "problem: shard-00000: sequences/shard-00000.parquet cannot be read (" in out
+    assert re.fullmatch(r"NOT complete: the run ended completed; \d+ problems", out.strip().splitlines()[-1])
+
+
 def test_a_mixed_run_records_and_reports_each_mode(tiny_model: Path, server: ScriptedServer, tmp_path: Path) -> None:
     """Each record, sequence and hidden-state sample names its mode; the report counts each mode; other weights
     are other settings (a resume under them is refused, naming the modes)."""
@@ -151,11 +184,13 @@ def test_a_rollout_regenerates_each_turn_on_its_own_answers_through_every_stage(
     run = tmp_path / "flow"
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["status"] == "completed"
-    verification = verify_run(RunStore.at(str(run)))
-    assert verification.complete, verification.problems
     records = [json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
                for line in f.read_text().splitlines()]
-    assert verification.prompts == 40 and verification.samples == len(records) == 41, "two rows of two turns"
+    for deep in (False, True):  # the markers' counts and the records' own agree
+        verification = verify_run(RunStore.at(str(run)), deep=deep)
+        assert verification.complete, verification.problems
+        assert verification.prompts == 40 and verification.samples == len(records) == 41, "two rows of two turns"
+        assert (verification.accepted, verification.rejected) == (40, 0), "the refused turn ends, not rejects"
     assert (manifest["totals"]["conversations"], manifest["totals"]["conversations_answered_in_full"]) == (40, 39)
     ends = {"ended: refused": 0, "ended: tool_result_missing": 0}
     assert manifest["turns"] == [
@@ -521,7 +556,7 @@ def test_verify_after_a_kill_says_what_is_missing_and_the_next_run_says_it_was_i
     logs = sorted((tmp_path / "flow" / "logs").glob("run-*.log"))
     assert "did not end" in logs[-1].read_text()
     assert main(["verify", str(tmp_path / "flow")]) == 0
-    assert capsys.readouterr().out.strip().endswith("run complete and consistent")
+    assert capsys.readouterr().out.strip().endswith("run complete and consistent (structure; --deep reads every byte)")
 
 
 def test_ctrl_c_ends_the_run_cancelled_with_one_line(tiny_model: Path, tmp_path: Path) -> None:

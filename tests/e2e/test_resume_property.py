@@ -6,8 +6,6 @@ clean, or that is refused in one line and completes once the line's fix is follo
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 from pathlib import Path
 
@@ -16,7 +14,7 @@ from prefect.settings import PREFECT_API_URL
 
 from cli.demo import DEMO_MODEL_NAME
 from cli.main import main
-from eagle3_datagen.testing.resume_cases import draw_case, run_case
+from eagle3_datagen.testing.resume_cases import draw_case, run_case, verify_at_both_depths
 from eagle3_datagen.think_tokens import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -29,9 +27,7 @@ pytestmark = pytest.mark.usefixtures("prefect_api")
 SEEDS = (6, 7, 19, 26, 175, 240)
 
 
-def verify(run: Path) -> int:
-    with contextlib.redirect_stdout(io.StringIO()):
-        return main(["verify", str(run)])
+verify = verify_at_both_depths(main)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -103,7 +103,15 @@ def test_a_run_on_s3_writes_every_artifact_and_its_cache_there(s3_endpoint: str,
     assert store.list(".prefect-results"), "the task cache lives in the run's own storage"
     from tasks.verify import verify_run
 
-    assert verify_run(store).problems == []
+    with counted_s3_reads() as reads:
+        verification = verify_run(store)
+    assert verification.complete, verification.problems
+    assert not [key for key in reads["keys"] if re.search(r"shard-\d{5}(\.jsonl|\.parquet)", key)], \
+        "the structural check reads markers, not shards"
+    listings = reads["requests"] - reads["gets"]
+    print(f"structural verify on S3: {reads['gets']} GETs ({reads['bytes']:,} bytes), {listings} other requests")
+    assert reads["bytes"] < 0.02 * written
+    assert verify_run(store, deep=True).complete
 
 
 @contextmanager

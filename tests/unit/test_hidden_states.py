@@ -13,7 +13,7 @@ from hidden_state_targets import AUX, HIDDEN, LAYERS, random_qwen3, random_rows,
 from safetensors import safe_open
 from safetensors.torch import load as safetensors_load
 
-from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex
+from eagle3_datagen.artifacts import ShardRef, artifact_path, blocks_sha256_hex, sha256_hex
 from eagle3_datagen.config import HiddenStatesConfig, parse_config
 from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.hidden_state_format import (
@@ -439,9 +439,36 @@ def test_a_shard_of_the_format_before_compression_is_refused_by_name(bf16: Targe
     index_rel = artifact_path("hidden_states", 0)
     store.write_json(index_rel, {**store.read_json(index_rel), "format": "eagle3-hidden-states/2"})
     with pytest.raises(HiddenStatesError, match=r"is 'eagle3-hidden-states/2' with its final state 'before_norm', "
-                                                r"this version reads 'eagle3-hidden-states/3' \(before_norm\): run "
-                                                r"hidden_states again"):
+                                                r"this version reads 'eagle3-hidden-states/3' and "
+                                                r"'eagle3-hidden-states/4' \(before_norm\): run hidden_states again"):
         list(read_hidden_state_shard(store, index_rel))
+
+
+def test_a_shard_of_the_format_with_a_plain_sha256_per_part_stays_readable(bf16: TargetModel, store: RunStore
+                                                                           ) -> None:
+    """/3 parts were checked by one sha256 each; a run written then reads (and refuses a changed byte) as it did."""
+    extract_with(store, bf16, "none")
+    index_rel = artifact_path("hidden_states", 0)
+    now = store.read_json(index_rel)
+    parts = [{**{key: value for key, value in part.items() if key != "sha256_blocks"},
+              "sha256": sha256_hex(store.read_bytes(f"hidden_states/shard-00000/{part['file']}"))}
+             for part in now["parts"]]
+    part_rel = f"hidden_states/shard-00000/{parts[-1]['file']}"
+    data = store.read_bytes(part_rel)
+    store.write_json(index_rel, {**now, "format": "eagle3-hidden-states/3", "parts": parts})
+    assert [s.id for s in read_hidden_state_shard(store, index_rel)] == sorted(now["samples"], key=now["samples"].get)
+    store.write_bytes(part_rel, data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(HiddenStatesError, match="does not match its checksum"):
+        list(read_hidden_state_shard(store, index_rel))
+
+
+def test_a_block_checksum_follows_the_bytes_not_the_buffers_they_were_written_as() -> None:
+    data = bytes(range(256)) * 41
+    whole = blocks_sha256_hex(data, block_bytes=1000)
+    assert blocks_sha256_hex(data[:7], data[7:2500], data[2500:], block_bytes=1000) == whole
+    assert blocks_sha256_hex(data[:-1] + b"\x00", block_bytes=1000) != whole
+    assert blocks_sha256_hex(data, block_bytes=2000) != whole, "the block size is part of the checksum"
+    assert blocks_sha256_hex(b"abc") == sha256_hex(bytes.fromhex(sha256_hex(b"abc"))), "one block: sha256 of sha256"
 
 
 def test_fp8_on_a_torch_without_float8_is_one_line_naming_the_fix() -> None:
