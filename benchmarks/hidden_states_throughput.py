@@ -262,6 +262,47 @@ def compression_run(target: TargetInfo, lengths: list[int], samples: list[Sample
     }, index, read_back
 
 
+def write_path_run(target: TargetInfo, samples: list[Sample], compression: Compression, output_uri: str,
+                   repeats: int) -> dict[str, float]:
+    """The stage's write path (pack, encode, hash, write the parts, the norm and the index; states in memory) against
+    a plain write of the same part files' bytes to the same place; median seconds."""
+    by_id = {sample.id: sample for sample in samples}
+
+    def replay(sequences: list[TokenSequence], aux_layers: list[int]) -> Iterator[Sample]:
+        return (by_id[sequence.id] for sequence in sequences)
+
+    settings = HiddenStatesConfig(dtype="bfloat16", compression=compression)
+    store = RunStore(output_uri, f"eagle3-bench-write-{compression}")
+    try:
+        shard = write_sequences_of(store, samples)
+        write_shard(store, shard, target, settings, replay)  # warm-up: allocator, page cache, connections
+        stage_s = median_seconds(lambda: write_shard(store, shard, target, settings, replay), repeats)
+        parts = [store.read_bytes(f"hidden_states/shard-00000/{part['file']}")
+                 for part in store.read_json(artifact_path("hidden_states", 0))["parts"]]
+        raw_s = median_seconds(lambda: [store.write_bytes(f"raw/part-{number:05d}.safetensors", data)
+                                        for number, data in enumerate(parts)], repeats)
+    finally:
+        store.fs.rm(store.root, recursive=True)
+    tokens, written = sum(len(sample.input_ids) for sample in samples), sum(len(data) for data in parts)
+    return {"tokens": tokens, "MB": written / 1e6, "stage tok/s": tokens / stage_s, "stage MB/s": written / 1e6 /
+            stage_s, "raw MB/s": written / 1e6 / raw_s, "ratio": raw_s / stage_s}
+
+
+def write_path_phase(synthetic_tokens: int, destinations: list[str], repeats: int) -> None:
+    """Per destination and compression: is the stage's write path as fast as the storage under it?"""
+    target, _lengths, samples = synthetic_states(synthetic_tokens, 4096, 2000)
+    print(f"\nwrite path: synthetic bf16 states (H 4096, {torch.get_num_threads()} torch threads); stage = pack, "
+          "encode, hash, write parts, norm and index; raw = the same part bytes written plainly to the same place")
+    print(f"{'destination':<40} {'setting':<5} {'tokens':>7} {'MB':>7} {'stage tok/s':>12} {'stage MB/s':>11} "
+          f"{'raw MB/s':>9} {'ratio':>6}")
+    for destination in destinations:
+        for compression in COMPRESSIONS:
+            row = write_path_run(target, samples, compression, destination, repeats)
+            print(f"{destination[-40:]:<40} {compression:<5} {row['tokens']:>7} {row['MB']:>7.0f} "
+                  f"{row['stage tok/s']:>12,.0f} {row['stage MB/s']:>11,.0f} {row['raw MB/s']:>9,.0f} "
+                  f"{row['ratio']:>6.3f}")
+
+
 def write_sequences_of(store: RunStore, samples: list[Sample]) -> ShardRef:
     """The sequences shard the samples were extracted from (their ids, token ids and masks)."""
     table = pa.table({
@@ -345,7 +386,10 @@ def main() -> None:
                         "HIDDENxLAYERS, comma-separated")
     parser.add_argument("--rss-shards", default="32,128,384", help="shard sizes (samples) for the RSS runs")
     parser.add_argument("--rss-part-mib", type=int, default=16, help="part size during the RSS runs")
-    parser.add_argument("--phases", default="throughput,rss,compression", help="a subset of throughput,rss,compression")
+    parser.add_argument("--phases", default="throughput,rss,compression,write",
+                        help="a subset of throughput,rss,compression,write")
+    parser.add_argument("--write-to", default="", help="output URIs the write phase writes to besides a local "
+                        "temporary folder, comma-separated, e.g. s3://bucket/prefix (credentials from the environment)")
     parser.add_argument("--synthetic-tokens", type=int, default=8000, help="tokens of synthetic states (H 4096)")
     parser.add_argument("--massive", type=float, default=2000, help="massive activations, x the row's median")
     args = parser.parse_args()
@@ -355,7 +399,7 @@ def main() -> None:
                                   device_map=args.device_map)
     with tempfile.TemporaryDirectory(prefix="eagle3-bench-model-") as tmp:
         models = {"tiny": args.tiny_model}
-        for shape in args.random_models.split(","):
+        for shape in filter(None, args.random_models.split(",")):
             hidden, layers = (int(n) for n in shape.split("x"))
             models[f"hidden {hidden} x {layers} layers"] = random_model(Path(tmp) / shape, hidden, layers)
         if "throughput" in args.phases:
@@ -379,6 +423,10 @@ def main() -> None:
                       f"{row['loaded_mib']:>11.0f} {forward:>18.0f} {row['peak_mib']:>15.0f}")
     if "compression" in args.phases:
         compression_phase(args.tiny_model, args.tokens, args.synthetic_tokens, args.massive, args.repeats)
+    if "write" in args.phases:
+        torch.set_num_threads(os.cpu_count() or 1)
+        with tempfile.TemporaryDirectory(prefix="eagle3-bench-write-") as local:
+            write_path_phase(args.synthetic_tokens, [local, *filter(None, args.write_to.split(","))], args.repeats)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import posixpath
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -37,7 +38,7 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load as load_safetensors
 
-from eagle3_datagen.artifacts import HASH_BLOCK_BYTES, blocks_sha256_hex, sha256_hex
+from eagle3_datagen.artifacts import HASH_BLOCK_BYTES, HASH_THREADS, blocks_sha256_hex, sha256_hex
 from eagle3_datagen.config import Compression
 from eagle3_datagen.errors import ConfigurationError, UserError
 from eagle3_datagen.storage import RunStore
@@ -105,12 +106,41 @@ class Sample:
     id: str
     input_ids: torch.Tensor  # [t] int32
     loss_mask: torch.Tensor  # [t] uint8
-    aux_hidden_states: torch.Tensor  # [t, 3H], model dtype
-    final_hidden_states: torch.Tensor  # [t, H], before the final norm
+    aux_hidden_states: torch.Tensor | Fp8States  # [t, 3H], model dtype (fp8 only on its way to a part)
+    final_hidden_states: torch.Tensor | Fp8States  # [t, H], before the final norm
 
     @property
     def nbytes(self) -> int:
         return sum(getattr(self, name).nbytes for name in PART_TENSORS)
+
+
+@dataclass(frozen=True)
+class Fp8States:
+    """States quantized where they were made (on the GPU, before the copy, which it halves): float8 e4m3 values,
+    a float32 scale per token and layer, and each row's cosine to the model-dtype row. Only the extraction stage
+    holds them; a part stores them as they are."""
+
+    values: torch.Tensor  # [t, L x H] float8_e4m3fn
+    scale: torch.Tensor  # [t, L] float32
+    cosines: torch.Tensor  # [t, L] float32
+    dtype: torch.dtype  # the model dtype they decode to
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scale.nbytes
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.values.shape
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def to(self, device: str) -> Fp8States:
+        return Fp8States(self.values.to(device), self.scale.to(device), self.cosines.to(device), self.dtype)
+
+    def rows(self, start: int, end: int) -> Fp8States:
+        return Fp8States(self.values[start:end], self.scale[start:end], self.cosines[start:end], self.dtype)
 
 def check_finite(states: torch.Tensor, sample_ids: Sequence[str], lengths: Sequence[int] | None = None,
                  what: str = "hidden states") -> None:
@@ -157,32 +187,36 @@ class EncodedPart:
     cosines: torch.Tensor | None
 
 
-def encode_part(pieces: dict[str, list[torch.Tensor]], metadata: dict[str, str],
+def encode_part(pieces: dict[str, list[Any]], metadata: dict[str, str],
                 compression: Compression = "none") -> EncodedPart:
     """A part's file: the one place the stored encoding of a part is decided.
 
     Each tensor comes as pieces along its first dimension (the part's samples); stored as they are, they are
-    never joined in memory.
+    never joined in memory. Under zstd each piece is compressed on its own, on several threads; under fp8 a
+    piece not quantized where it was made (`Fp8States`) is quantized here.
     """
     if compression == "none":
         return EncodedPart(safetensors_buffers(pieces, metadata={**metadata, "compression": "none"}), None)
-    tensors = {name: torch.cat(tensor_pieces) for name, tensor_pieces in pieces.items()}
-    stored = {name: [tensor] for name, tensor in tensors.items() if name not in STATE_TENSORS}
-    encoded = {name: {"dtype": _dtype_name(tensors[name].dtype), "shape": list(tensors[name].shape)}
+    stored = {name: tensor_pieces for name, tensor_pieces in pieces.items() if name not in STATE_TENSORS}
+    hidden_size = pieces["final_hidden_states"][0].shape[-1]
+    encoded = {name: {"dtype": _dtype_name(pieces[name][0].dtype),
+                      "shape": [sum(len(piece) for piece in pieces[name]), pieces[name][0].shape[-1]]}
                for name in STATE_TENSORS}
-    hidden_size = tensors["final_hidden_states"].shape[-1]
     cosines: list[torch.Tensor] = []
     for name in STATE_TENSORS:
-        states = tensors.pop(name)
         if compression == "zstd":
-            stored[f"{name}.zstd"] = [_zstd_compress(states)]
+            with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="zstd") as pool:
+                chunks = list(pool.map(_zstd_compress, pieces[name]))
+            stored[f"{name}.zstd"] = chunks
+            stored[f"{name}.zstd_bytes"] = [torch.tensor([len(chunk) for chunk in chunks], dtype=torch.int64)]
         else:
-            fp8, scale, row_cosines = _quantize_fp8(states, hidden_size)
-            stored[f"{name}.fp8"], stored[f"{name}.scale"] = [fp8], [scale]
-            cosines.append(row_cosines)
+            quantized = [piece if isinstance(piece, Fp8States) else quantize_fp8(piece, hidden_size)
+                         for piece in pieces[name]]
+            stored[f"{name}.fp8"] = [piece.values for piece in quantized]
+            stored[f"{name}.scale"] = [piece.scale for piece in quantized]
+            cosines += [piece.cosines.flatten() for piece in quantized]
     metadata = {**metadata, "compression": compression, "encoded": json.dumps(encoded)}
-    return EncodedPart(safetensors_buffers(stored, metadata), torch.cat([c.flatten() for c in cosines])
-                       if cosines else None)
+    return EncodedPart(safetensors_buffers(stored, metadata), torch.cat(cosines) if cosines else None)
 
 
 def _decode_part(data: bytes) -> dict[str, torch.Tensor]:
@@ -191,7 +225,12 @@ def _decode_part(data: bytes) -> dict[str, torch.Tensor]:
     metadata = _safetensors_metadata(data)
     for name, spec in json.loads(metadata.get("encoded", "{}")).items():
         dtype, shape = DTYPES[spec["dtype"]], spec["shape"]
-        if metadata["compression"] == "zstd":
+        if metadata["compression"] == "zstd" and f"{name}.zstd_bytes" in tensors:  # /4: one chunk per sample
+            rows = tensors["offsets"].diff().tolist()
+            chunks = torch.split(tensors.pop(f"{name}.zstd"), tensors.pop(f"{name}.zstd_bytes").tolist())
+            tensors[name] = torch.cat([_zstd_decompress(chunk, dtype, [count, shape[1]])
+                                       for chunk, count in zip(chunks, rows, strict=True)])
+        elif metadata["compression"] == "zstd":  # /3: the part's states as one stream
             tensors[name] = _zstd_decompress(tensors.pop(f"{name}.zstd"), dtype, shape)
         else:
             tensors[name] = _dequantize_fp8(tensors.pop(f"{name}.fp8"), tensors.pop(f"{name}.scale"), dtype)
@@ -222,16 +261,17 @@ def _zstd_decompress(compressed: torch.Tensor, dtype: torch.dtype, shape: list[i
     return torch.from_numpy(np.stack(list(planes), axis=1)).view(dtype).view(shape)
 
 
-def _quantize_fp8(states: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float8 e4m3 values, a float32 scale per token and layer (amax / 448), and each row's cosine to the original.
+def quantize_fp8(states: torch.Tensor, hidden_size: int) -> Fp8States:
+    """float8 e4m3 values, a float32 scale per token and layer (amax / 448), and each row's cosine to the original,
+    on the states' device.
 
     One scale per layer of a token, not one per token: each layer's scale follows its own magnitude, which grows
     from the low aux layer to the final state. The cosine is that of what `read_part` returns (same dequantization).
     """
-    tokens, layers = len(states), states.shape[-1] // hidden_size
-    values = torch.empty(states.shape, dtype=torch.float8_e4m3fn)
-    scale = torch.empty((tokens, layers), dtype=torch.float32)
-    cosines = torch.empty((tokens, layers), dtype=torch.float32)
+    tokens, layers, device = len(states), states.shape[-1] // hidden_size, states.device
+    values = torch.empty(states.shape, dtype=torch.float8_e4m3fn, device=device)
+    scale = torch.empty((tokens, layers), dtype=torch.float32, device=device)
+    cosines = torch.empty((tokens, layers), dtype=torch.float32, device=device)
     for start in range(0, tokens, FP8_BLOCK_TOKENS):
         block = slice(start, start + FP8_BLOCK_TOKENS)
         rows = states[block].float().view(-1, layers, hidden_size)
@@ -242,7 +282,7 @@ def _quantize_fp8(states: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor,
         values[block], scale[block] = quantized.view(len(rows), -1), amax / FP8_MAX
         decoded = _dequantize_rows(quantized, scale[block], states.dtype).float()
         cosines[block] = torch.where(amax > 0, torch.nn.functional.cosine_similarity(rows, decoded, dim=-1), 1.0)
-    return values, scale, cosines
+    return Fp8States(values, scale, cosines, states.dtype)
 
 
 def _dequantize_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

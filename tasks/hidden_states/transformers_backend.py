@@ -14,7 +14,15 @@ from transformers import AutoModelForCausalLM
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.fingerprints import fingerprint
-from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample, check_finite, final_rms_norm
+from eagle3_datagen.hidden_state_format import (
+    DTYPES,
+    Fp8States,
+    HiddenStatesError,
+    Sample,
+    check_finite,
+    final_rms_norm,
+    quantize_fp8,
+)
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.batching import plan_batches
 from tasks.hidden_states.parts import TokenSequence, write_shard
@@ -95,12 +103,13 @@ _FORWARD_LOCK = threading.Lock()
 
 def capture_batch(
     target: TargetModel, aux_layers: Sequence[int], sequences: Sequence[torch.Tensor],
-    ids: Sequence[str] | None = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    ids: Sequence[str] | None = None, fp8: bool = False,
+) -> list[tuple[torch.Tensor | Fp8States, torch.Tensor | Fp8States]]:
     """One forward pass over a right-padded batch; per sequence (aux [t, 3H], final [t, H]) on CPU, unpadded.
 
     Hooks keep only the needed states: output_hidden_states would hold all N+1 of them for the whole batch. They
-    are checked finite on the model's device, before the copy (a sample named by `ids`, else by its row).
+    are checked finite on the model's device, before the copy (a sample named by `ids`, else by its row), and with
+    `fp8` quantized there too, so half the bytes cross to the host.
     """
     base = target.base
     longest = max(len(seq) for seq in sequences)
@@ -144,6 +153,12 @@ def capture_batch(
     names, lengths = ids or [f"row {row}" for row in range(len(sequences))], [len(seq) for seq in sequences]
     check_finite(aux, names, lengths, "aux_hidden_states")
     check_finite(final, names, lengths, "final_hidden_states")
+    if fp8:
+        flat = len(sequences) * longest
+        aux_fp8 = quantize_fp8(aux.reshape(flat, -1), target.hidden_size).to("cpu")
+        final_fp8 = quantize_fp8(final.reshape(flat, -1), target.hidden_size).to("cpu")
+        return [(aux_fp8.rows(row * longest, row * longest + len(seq)),
+                 final_fp8.rows(row * longest, row * longest + len(seq))) for row, seq in enumerate(sequences)]
     # one copy to the host per batch, not per row and layer: each row is then a view of it (padding dropped)
     aux = aux.cpu()
     final = final.to("cpu", copy=True)
@@ -167,7 +182,7 @@ def extract_shard(
     def samples(sequences: list[TokenSequence], aux_layers: list[int]) -> Generator[Sample, None, None]:
         for batch in plan_batches([len(seq.input_ids) for seq in sequences], settings.max_tokens_per_batch):
             states = capture_batch(target, aux_layers, [sequences[i].input_ids for i in batch],
-                                   [sequences[i].id for i in batch])
+                                   [sequences[i].id for i in batch], fp8=settings.compression == "fp8")
             for i, (aux, final) in zip(batch, states, strict=True):
                 seq = sequences[i]
                 yield Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final)

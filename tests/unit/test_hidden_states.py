@@ -17,6 +17,7 @@ from eagle3_datagen.artifacts import ShardRef, artifact_path, blocks_sha256_hex,
 from eagle3_datagen.config import HiddenStatesConfig, parse_config
 from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.hidden_state_format import (
+    STATE_TENSORS,
     HiddenStatesError,
     Sample,
     check_compression,
@@ -25,10 +26,11 @@ from eagle3_datagen.hidden_state_format import (
     read_hidden_state_shard,
     safetensors_buffers,
 )
+from eagle3_datagen.hidden_state_format import _zstd_compress as zstd_compress
 from eagle3_datagen.storage import RunLocation, RunStore
 from tasks.hidden_states import ExtractionSettings, extract_hidden_states
 from tasks.hidden_states.batching import plan_batches
-from tasks.hidden_states.parts import read_sequences
+from tasks.hidden_states.parts import read_sequences, write_shard
 from tasks.hidden_states.targets import default_aux_layers, resolve_aux_layers
 from tasks.hidden_states.transformers_backend import (
     TargetModel,
@@ -176,7 +178,7 @@ def test_shard_splits_into_parts_and_reads_back_equal(fp32: TargetModel, tmp_pat
 @pytest.mark.parametrize("compression", ["none", "zstd", "fp8"])
 def test_corrupted_part_is_detected(fp32: TargetModel, store: RunStore, compression: str) -> None:
     shard = write_sequences(store, 0, random_rows([30, 30, 30, 30], seed=4))
-    settings = HiddenStatesConfig(dtype="float32", part_size_bytes=50_000, compression=compression)
+    settings = HiddenStatesConfig(dtype="float32", part_size_bytes=20_000, compression=compression)
     extract_shard(store, shard, fp32, settings)
     index_rel = "hidden_states/shard-00000/index.json"
     assert len(list(read_hidden_state_shard(store, index_rel))) == 4
@@ -420,6 +422,48 @@ def test_fp8_reads_back_in_the_model_dtype_within_its_tolerance_and_the_index_ho
     assert stats["mean"] == pytest.approx(cosine.mean().item(), abs=1e-6)
     assert stats["under_0.999"] == int((cosine < 0.999).sum())
     assert sum(p["bytes"] for p in index["parts"]) < 0.6 * index["num_tokens"] * 4 * HIDDEN * 2
+
+
+def test_fp8_quantized_on_the_model_device_writes_the_part_the_writer_would_from_plain_states(
+        bf16: TargetModel, tmp_path: Path) -> None:
+    """The transformers backend quantizes before the copy; the vLLM backend's plain states are quantized by the
+    writer: one stored encoding either way, byte for byte."""
+    settings = HiddenStatesConfig(dtype="bfloat16", part_size_bytes=10 << 20, compression="fp8")
+    rows = random_rows([3, 40, 17, 25, 1, 33, 12], seed=9)
+    on_device = RunStore(str(tmp_path), "on-device")
+    index = extract_shard(on_device, write_sequences(on_device, 0, rows), bf16, settings)
+    _, plain = extract_with(RunStore(str(tmp_path), "plain"), bf16, "none")
+    in_writer = RunStore(str(tmp_path), "in-writer")  # the plain states in the order the batches made them
+    replayed = write_shard(in_writer, write_sequences(in_writer, 0, rows), bf16, settings,
+                           lambda sequences, layers: (sample for sample in plain))
+    assert len(index["parts"]) == len(replayed["parts"]) == 1
+    part = f"hidden_states/shard-00000/{index['parts'][0]['file']}"
+    assert on_device.read_bytes(part) == in_writer.read_bytes(part)
+    assert index["fp8_cosine"] == replayed["fp8_cosine"]
+
+
+def test_a_zstd_part_of_format_3_one_stream_per_state_stays_readable(bf16: TargetModel, store: RunStore) -> None:
+    """/4 compresses each sample's states on its own (on several threads); /3 compressed a part's states as one
+    stream, and a run written then still reads bit for bit."""
+    index, expected = extract_with(store, bf16, "none")
+    folder = "hidden_states/shard-00000"
+    parts = []
+    for part in index["parts"]:
+        tensors = safetensors_load(store.read_bytes(f"{folder}/{part['file']}"))
+        stored = {name: [tensor] for name, tensor in tensors.items() if name not in STATE_TENSORS}
+        stored |= {f"{name}.zstd": [zstd_compress(tensors[name])] for name in STATE_TENSORS}
+        encoded = {name: {"dtype": "bfloat16", "shape": list(tensors[name].shape)} for name in STATE_TENSORS}
+        data = b"".join(safetensors_buffers(stored, {"compression": "zstd", "encoded": json.dumps(encoded)}))
+        store.write_bytes(f"{folder}/{part['file']}", data)
+        parts.append({"file": part["file"], "num_samples": part["num_samples"], "num_tokens": part["num_tokens"],
+                      "bytes": len(data), "sha256": sha256_hex(data)})
+    store.write_json(artifact_path("hidden_states", 0), {**index, "format": "eagle3-hidden-states/3",
+                                                         "compression": "zstd", "parts": parts})
+    got = list(read_hidden_state_shard(store, artifact_path("hidden_states", 0)))
+    assert [s.id for s in got] == [s.id for s in expected]
+    for a, b in zip(got, expected, strict=True):
+        assert all(torch.equal(getattr(a, name).view(torch.uint8), getattr(b, name).view(torch.uint8))
+                   for name in STATE_TENSORS)
 
 
 def test_the_run_report_says_what_fp8_cost_over_its_shards() -> None:
