@@ -14,7 +14,7 @@ from eagle3_datagen.artifacts import MANIFEST
 from eagle3_datagen.config import ExecutionConfig, HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.errors import UserError, user_errors_one_line_in_the_ui
 from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement, task_runner_for
-from eagle3_datagen.fingerprints import fingerprint
+from eagle3_datagen.fingerprints import data_fingerprint
 from eagle3_datagen.hidden_state_format import check_compression
 from eagle3_datagen.run_log import close_run_log, open_run_log
 from eagle3_datagen.storage import RunLocation, RunStore
@@ -65,7 +65,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     context = start_run(config)
     job = GenerationJob.from_config(config)
     refuse_other_settings(job.settings, run=run)  # before the prompt stage re-cuts any shard
-    prompts = load_prompts(config.data, source_fingerprint=fingerprint(config.data.source), run=run)
+    prompts = load_prompts(config.data, source_fingerprint=data_fingerprint(config.data.source), run=run)
 
     # Each stage takes only what changes its output, in one settings object: its inputs are its cache key, so
     # anything more would redo it when an unrelated setting changes.

@@ -21,10 +21,12 @@ from cli.demo import DEMO_MODEL_NAME, demo_questions
 from cli.runner import run_pipeline
 from eagle3_datagen.config import PipelineConfig, parse_config
 from eagle3_datagen.execution import ClusterLost, ClusterUnusable
+from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
 from eagle3_datagen.testing.vllm_server import free_port
 from eagle3_datagen.think_tokens import load_tokenizer
-from flows.pipeline import rerun_failed
+from flows.pipeline import rerun_failed, verify_for
+from tasks.verify import verify_run
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
@@ -124,6 +126,11 @@ def test_a_run_on_a_ray_cluster_writes_the_local_runners_bytes_and_loads_the_tar
     for shard in range(4):  # what the tasks logged on the nodes, in the run's log file
         assert f"Task run 'ray/validate-{shard:05d}' - Finished in state Completed()" in log, log[-3000:]
 
+    parts = sum(path.stat().st_size for path in (tmp_path / "ray").glob("hidden_states/*/part-*.safetensors"))
+    deep = verify_for(str(tmp_path / "ray"))(str(tmp_path / "ray"), deep=True)  # its shards as Ray tasks
+    structure = verify_run(RunStore(str(tmp_path), "ray"))
+    assert deep["deep"] and deep["samples"] == structure.samples > 0 and deep["bytes_read"] > parts > 0, deep
+
     requests = len(server.log.bodies)
     rerun_failed(str(tmp_path / "ray"))  # a recorded Ray run is re-run on Ray, not refused
     assert json.loads((tmp_path / "ray" / "manifest.json").read_text())["status"] == "completed"
@@ -187,9 +194,6 @@ def test_a_worker_node_killed_mid_run_loses_and_duplicates_nothing(
         if ended[0] is not None:
             run_pipeline(settings)
         assert len(server.log.bodies) <= 24 + 2, "only the requests in flight on the killed node are asked again"
-    from eagle3_datagen.storage import RunStore
-    from tasks.verify import verify_run
-
     verification = verify_run(RunStore(str(tmp_path), "killed"))
     assert verification.complete, verification.verdict()
     answered = [json.loads(line)["id"] for f in sorted((tmp_path / "killed").glob("generations/shard-*.jsonl"))
@@ -228,9 +232,6 @@ def test_losing_the_clusters_head_fails_the_run_in_seconds_with_one_line_and_a_r
         with local_cluster(head_cpus=1, workers=1) as restarted:
             run_pipeline(settings.model_copy(update={"execution": settings.execution.model_copy(
                 update={"ray_address": restarted.address})}))
-        from eagle3_datagen.storage import RunStore
-        from tasks.verify import verify_run
-
         verification = verify_run(RunStore(str(tmp_path), "headless"))
         assert verification.complete, verification.verdict()
         answered = [json.loads(line)["id"] for f in sorted((tmp_path / "headless").glob("generations/shard-*.jsonl"))

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from eagle3_datagen.fingerprints import data_fingerprint
 from eagle3_datagen.storage import OutputNotWritable, RunStore, StoragePathError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,6 +35,16 @@ def test_round_trip_listing_and_removal(store: RunStore) -> None:
     assert store.list("prompts", ".jsonl") == ["prompts/shard-00000.jsonl", "prompts/shard-00001.jsonl"]
     store.remove("prompts/shard-00001.jsonl")
     assert not store.exists("prompts/shard-00001.jsonl") and store.list("absent") == []
+
+
+def test_a_dataset_rewritten_to_the_same_size_is_another_source_locally_and_in_s3(store: RunStore) -> None:
+    """The prompt stage's cache follows the data's content: on S3 through each object's ETag."""
+    store.write_bytes("data/prompts.jsonl", b'{"prompt": "What is 2+2?"}\n')
+    source = store.uri.rstrip("/") + "/data"
+    before = data_fingerprint(source)
+    assert data_fingerprint(source) == before
+    store.write_bytes("data/prompts.jsonl", b'{"prompt": "What is 3+3?"}\n')
+    assert data_fingerprint(source) != before
 
 
 def test_overwrite_is_whole_and_leaves_no_temporary_file(store: RunStore) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 import tasks.sequences
 import tasks.validation  # noqa: F401
+from eagle3_datagen import fingerprints
 from eagle3_datagen.caching import code_version, source_digest, stage_files
 
 
@@ -126,3 +127,20 @@ def test_a_cached_shard_result_counts_only_while_its_output_was_made_from_the_sa
     assert key(b) is not None, "made from other input: the stage runs again"
     store.remove(marker_path(artifact_path("sequences", 2)))
     assert key(a) is not None, "an output nothing vouches for runs again"
+
+
+def test_a_data_file_edited_in_place_to_the_same_size_is_another_source(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above the size where a weight file is known by name and size, a prompt file is still hashed whole: an edit
+    that keeps its size must not leave the prompt stage cached on the old prompts."""
+    monkeypatch.setattr(fingerprints, "_SMALL_FILE_BYTES", 8)  # the file below counts as big
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "What is 2+2?"}\n')
+    before = fingerprints.data_fingerprint(str(data))
+    data.write_text('{"prompt": "What is 3+3?"}\n')
+    assert fingerprints.data_fingerprint(str(data)) != before
+    assert fingerprints.data_fingerprint(f"file://{data}") == fingerprints.data_fingerprint(str(data))
+    small = tmp_path / "small.jsonl"  # below the threshold both fingerprints hash the content, and agree
+    monkeypatch.setattr(fingerprints, "_SMALL_FILE_BYTES", 64 << 20)
+    small.write_text('{"prompt": "hi"}\n')
+    assert fingerprints.data_fingerprint(str(small)) == fingerprints.fingerprint(str(small))
