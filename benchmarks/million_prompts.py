@@ -9,7 +9,7 @@ tokenizer), at each prompt count. Per count, with the same servers up for both r
   re-run      the same command again: the chat requests the servers received meanwhile (their /stats, before
               and after) and its wall seconds, as a share of the first run's;
   verify      `eagle3-datagen verify` of the run folder (its structure: markers, indexes, sizes), then
-              `verify --deep` (every byte, 16 threads): wall seconds and exit status of each.
+              `verify --deep` (every byte, on threads): wall seconds and exit status of each.
 
     .venv/bin/python benchmarks/million_prompts.py [--prompts 50000,1000000] [--endpoints 4] [--shard-size 10000]
 

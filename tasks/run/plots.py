@@ -6,6 +6,8 @@ import io
 from itertools import pairwise
 from typing import Any
 
+import numpy as np
+
 from tasks.run.status import ShardStatus
 
 
@@ -26,11 +28,11 @@ def _png(figure: Any) -> bytes:
     return buffer.getvalue()
 
 
-def plot_lengths(reasoning: list[int], answers: list[int]) -> bytes:
+def plot_lengths(reasoning: np.ndarray, answers: np.ndarray) -> bytes:
     """Histograms of reasoning and answer tokens per sample."""
     figure, axes = _pyplot().subplots(1, 2, figsize=(8, 3))
     for axis, lengths, what in ((axes[0], reasoning, "reasoning"), (axes[1], answers, "answer")):
-        axis.hist(lengths, bins=min(40, max(5, len(set(lengths)))), color="#3b6ea8")
+        axis.hist(lengths, bins=min(40, max(5, len(np.unique(lengths)))), color="#3b6ea8")
         axis.set_xlabel(f"{what} tokens per sample")
         axis.set_ylabel("samples")
         axis.set_title(f"{what.capitalize()} length")
@@ -92,10 +94,10 @@ PLOT_FILES = {"reasoning and answer lengths": "reasoning_lengths.png",
 def run_plots(shards: dict[str, ShardStatus], rows: list[dict[str, Any]],
               timeline: list[dict[str, float]]) -> dict[str, bytes]:
     """The report's plots, by title; a plot without data is left out."""
-    reasoning = [n for s in shards.values() for n in s.reasoning_lengths]
-    answers = [n for s in shards.values() for n in s.answer_lengths]
+    reasoning = np.concatenate([np.asarray(s.reasoning_lengths) for s in shards.values()] or [np.empty(0)])
+    answers = np.concatenate([np.asarray(s.answer_lengths) for s in shards.values()] or [np.empty(0)])
     plots = {}
-    if reasoning:
+    if len(reasoning):
         plots["reasoning and answer lengths"] = plot_lengths(reasoning, answers)
     if rows:
         plots["accepted and rejected per shard"] = plot_shard_outcomes(
