@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ def result_storage_for(config: PipelineConfig) -> Any:
 
 BOOKKEEPING_TASKS = ("start-run", "finish-run", "generated-shards")
 PAGE = 200  # task runs per request: the Prefect server answers at most its PREFECT_API_DEFAULT_LIMIT (200)
+SETTLE_S = 10.0  # how long the stage lines wait for the server to record the run's last task runs
 
 
 def stage_of(task_run_name: str) -> str:
@@ -49,13 +51,28 @@ async def _stage_lines(flow_run_id: UUID) -> list[str]:
     """One line per stage: how many task runs ended in which state, and their summed run time."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
 
-    runs: list[Any] = []
-    async with get_client() as client:  # in pages: the server answers at most PAGE runs at a time
+    async def task_runs() -> list[Any]:  # in pages: the server answers at most PAGE runs at a time
+        runs: list[Any] = []
         while page := await client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), offset=len(runs), limit=PAGE):
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), offset=len(runs), limit=PAGE,
+                sort=TaskRunSort.ID_DESC):
             runs += page
             if len(page) < PAGE:
+                break
+        return runs
+
+    # The server records task runs from the events the tasks sent, a moment after they ended: read until two reads
+    # agree and every run has ended (a cached re-run of 200 shards was read as 56 of them, one still running)
+    async with get_client() as client:
+        runs, deadline = await task_runs(), time.monotonic() + SETTLE_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.25)
+            again = await task_runs()
+            settled = len(again) == len(runs) and all(run.state is not None and run.state.is_final() for run in again)
+            runs = again
+            if settled:
                 break
     by_stage: dict[str, list[Any]] = defaultdict(list)
     for run in sorted(runs, key=lambda r: r.start_time or r.expected_start_time):
