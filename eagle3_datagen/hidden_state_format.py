@@ -11,13 +11,14 @@ Under `hidden_states/shard-NNNNN/` the extraction stage writes:
                           model-dtype states). Written last: its presence means the shard is complete.
 
 Compression applies to the two state tensors only; ids, mask and offsets are always stored as they are. Under
-`zstd` a state tensor is stored as `NAME.zstd`, its bytes split into planes (every value's first byte, then every
-second byte...) and zstd-compressed: lossless; the planes compress better than the interleaved values (bf16: the
-sign-and-exponent byte is repetitive, the mantissa byte is not). Under `fp8` it is stored as `NAME.fp8`
-(float8 e4m3) and `NAME.scale` (float32, one per token and layer: amax / 448): each value comes back within 1/16
-of itself (3 mantissa bits), or within 2^-10 of its row's scale near zero, then rounded to the model dtype; the
-index records every row's cosine to the model-dtype row. The metadata `encoded` gives each state's dtype and
-shape. `read_part` returns plain tensors in the model dtype whatever the compression, so every
+`zstd` a state tensor is stored as `NAME.zstd`, each sample's bytes split into planes (every value's first byte,
+then every second byte...) and zstd-compressed on their own, one chunk per sample (`NAME.zstd_bytes` gives each
+chunk's size; a /3 part holds one stream for the whole part): lossless; the planes compress better than the
+interleaved values (bf16: the sign-and-exponent byte is repetitive, the mantissa byte is not). Under `fp8` it is
+stored as `NAME.fp8` (float8 e4m3) and `NAME.scale` (float32, one per token and layer: amax / 448): each value
+comes back within 1/16 of itself (3 mantissa bits), or within 2^-10 of its row's scale near zero, then rounded to
+the model dtype; the index records every row's cosine to the model-dtype row. The metadata `encoded` gives each
+state's dtype and shape. `read_part` returns plain tensors in the model dtype whatever the compression, so every
 reader is unchanged.
 
 The extraction stage writes it; export and verify read it, so it lives here, below the stages.
