@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 MAX_LISTED = 20  # missing artifacts listed by `verify` before it summarizes
-PROGRESS_EVERY_S = 5.0  # a deep `verify` prints how far it is this often
 RUNS_A_FLOW = ("run", "demo", "rerun-failed")
 
 
@@ -54,10 +53,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     import time
 
     from eagle3_datagen.storage import RunStore
-    from tasks.verify import progress_line, verify_run
+    from tasks.verify import PROGRESS_EVERY_S, progress_line, recorded_execution, verify_run
 
     store = RunStore.at(args.run)
-    if args.deep and _recorded_on_ray(store):
+    if args.deep and recorded_execution(store).task_runner == "ray":
         return _verify_on_ray(args.run)
     started, shown = time.monotonic(), [time.monotonic()]
 
@@ -78,13 +77,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         print(f"problem: {problem}")
     print(result.verdict())
     return 0 if result.complete else 1
-
-
-def _recorded_on_ray(store: Any) -> bool:
-    from eagle3_datagen.artifacts import MANIFEST
-
-    manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
-    return manifest.get("config", {}).get("execution", {}).get("task_runner") == "ray"
 
 
 def _verify_on_ray(run: str) -> int:

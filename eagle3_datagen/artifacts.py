@@ -100,7 +100,7 @@ def sha256_hex(*buffers: bytes | memoryview) -> str:
 
 
 HASH_BLOCK_BYTES = 16 << 20
-HASH_THREADS = min(8, os.cpu_count() or 1)
+ENCODING_THREADS = min(8, os.cpu_count() or 1)  # blocks hashed, or samples compressed, at once
 
 
 def blocks_sha256_hex(*buffers: bytes | memoryview, block_bytes: int = HASH_BLOCK_BYTES) -> str:
@@ -129,7 +129,7 @@ def blocks_sha256_hex(*buffers: bytes | memoryview, block_bytes: int = HASH_BLOC
 
     if len(blocks) == 1:
         return hashlib.sha256(digest(blocks[0])).hexdigest()
-    with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="hash-blocks") as pool:
+    with ThreadPoolExecutor(max_workers=ENCODING_THREADS, thread_name_prefix="hash-blocks") as pool:
         return hashlib.sha256(b"".join(pool.map(digest, blocks))).hexdigest()
 
 

@@ -39,7 +39,7 @@ import pyarrow as pa
 import torch
 from safetensors.torch import load as load_safetensors
 
-from eagle3_datagen.artifacts import HASH_BLOCK_BYTES, HASH_THREADS, blocks_sha256_hex, sha256_hex
+from eagle3_datagen.artifacts import ENCODING_THREADS, HASH_BLOCK_BYTES, blocks_sha256_hex, sha256_hex
 from eagle3_datagen.config import Compression
 from eagle3_datagen.errors import ConfigurationError, UserError
 from eagle3_datagen.storage import RunStore
@@ -206,7 +206,7 @@ def encode_part(pieces: dict[str, list[Any]], metadata: dict[str, str],
     cosines: list[torch.Tensor] = []
     for name in STATE_TENSORS:
         if compression == "zstd":
-            with ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="zstd") as pool:
+            with ThreadPoolExecutor(max_workers=ENCODING_THREADS, thread_name_prefix="zstd") as pool:
                 chunks = list(pool.map(_zstd_compress, pieces[name]))
             stored[f"{name}.zstd"] = chunks
             stored[f"{name}.zstd_bytes"] = [torch.tensor([len(chunk) for chunk in chunks], dtype=torch.int64)]

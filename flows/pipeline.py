@@ -10,8 +10,7 @@ from prefect import Flow, flow, unmapped
 from prefect.futures import PrefectFuture, as_completed
 from prefect.utilities.annotations import allow_failure
 
-from eagle3_datagen.artifacts import MANIFEST
-from eagle3_datagen.config import ExecutionConfig, HiddenStatesConfig, PipelineConfig
+from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.errors import UserError, user_errors_one_line_in_the_ui
 from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement, task_runner_for
 from eagle3_datagen.fingerprints import data_fingerprint
@@ -41,7 +40,16 @@ from tasks.run.lifecycle import (
 )
 from tasks.sequences import SequenceSettings, build_sequence_shard
 from tasks.validation import ValidationSettings, reopen_quarantined_shards, validate_generations
-from tasks.verify import conclude, progress_line, rerun_plan, start_verification, verify_run, verify_shard
+from tasks.verify import (
+    PROGRESS_EVERY_S,
+    conclude,
+    progress_line,
+    recorded_execution,
+    rerun_plan,
+    start_verification,
+    verify_run,
+    verify_shard,
+)
 
 
 @flow(name="eagle3-datagen", flow_run_name=run_named(), log_prints=True, on_completion=[close_run_log],
@@ -90,9 +98,6 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
 
     every_stage = [allow_failure(f) for f in [generation, *validated, *sequences, *hidden]]  # failed ones too
     return finish_run.submit(context, prompts=prompts, generation=generated, wait_for=every_stage).result()
-
-
-PROGRESS_EVERY_S = 5.0
 
 
 class RunNotVerified(UserError):
@@ -199,6 +204,4 @@ def verify(run: str, deep: bool = False) -> dict[str, Any]:
 
 def verify_for(run: str) -> Flow[[str, bool], dict[str, Any]]:
     """The verify flow on the task runner the run was recorded with (Ray's for a run on Ray)."""
-    store = RunStore.at(run)
-    recorded = store.read_json(MANIFEST).get("config", {}).get("execution", {}) if store.exists(MANIFEST) else {}
-    return verify.with_options(task_runner=task_runner_for(ExecutionConfig.model_validate(recorded)))
+    return verify.with_options(task_runner=task_runner_for(recorded_execution(RunStore.at(run))))

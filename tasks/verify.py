@@ -43,6 +43,7 @@ from eagle3_datagen.artifacts import (
     shard_index_of,
     shard_name,
 )
+from eagle3_datagen.config import ExecutionConfig
 from eagle3_datagen.conversations import Ended, answer_of, next_turn, turn_id
 from eagle3_datagen.hidden_state_format import (
     FINAL_NORM_FILE,
@@ -53,6 +54,7 @@ from eagle3_datagen.hidden_state_format import (
 )
 from eagle3_datagen.storage import RunLocation, RunStore, marker_path
 
+PROGRESS_EVERY_S = 5.0  # a deep check says how far it is this often
 READERS = 16  # markers and indexes read at once: an object store answers each in tens of milliseconds
 # shards read whole at once by --deep: each holds its records parsed (16 took 1.9 GB at 10,000 prompts a shard),
 # and parsing them is bound to the CPUs
@@ -258,6 +260,12 @@ def _logging_reads(store: RunStore) -> tuple[RunStore, _Reads]:
 def verify_shard(run: RunLocation, index: int, layout: RunLayout, deep: bool) -> ShardFindings:
     """`check_shard` as a Prefect task: a deep check's shards on the run's task runner (Ray's nodes, say)."""
     return check_shard(run.store(), index, layout, deep)
+
+
+def recorded_execution(store: RunStore) -> ExecutionConfig:
+    """Where the run was recorded to run (its manifest's `execution`): a deep check of a Ray run runs on Ray."""
+    manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
+    return ExecutionConfig.model_validate(manifest.get("config", {}).get("execution", {}))
 
 
 def progress_line(done: int, total: int, bytes_read: int, seconds: float) -> str:
