@@ -94,10 +94,10 @@ def _verify_on_ray(run: str) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from tasks.export import export_run
 
-    summary = export_run(args.run, args.format, args.out)
+    summary = export_run(args.run, args.format, args.out, args.split)
     layers = summary["aux_layers"]["input_to_layer"]
-    print(f"{summary['num_samples']} samples for {args.format} in {summary['out']} (aux layers {layers} as inputs "
-          f"to layer i, final state {summary['final_state'].replace('_', ' ')}, {summary['dtype']})")
+    print(f"{summary['num_samples']} {args.split} samples for {args.format} in {summary['out']} (aux layers {layers} "
+          f"as inputs to layer i, final state {summary['final_state'].replace('_', ' ')}, {summary['dtype']})")
     return 0
 
 
@@ -156,7 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     export = commands.add_parser("export", help="write a run's hidden states as SpecForge or speculators files")
     export.add_argument("run", help="the run folder")
     export.add_argument("--format", required=True, choices=["specforge", "speculators"])
-    export.add_argument("--out", help="where to write (any fsspec URI); default RUN/exports/FORMAT")
+    export.add_argument("--out", help="where to write (any fsspec URI); default RUN/exports/FORMAT, and "
+                        "RUN/exports/FORMAT-holdout for --split holdout")
+    export.add_argument("--split", choices=["train", "holdout"], default="train",
+                        help="the training samples (default), or the held-out ones `evaluate` judges drafts on")
     export.set_defaults(func=cmd_export)
     probe = commands.add_parser("probe-tokenizer", help="find and prove a tokenizer's think-token ids")
     probe.add_argument("tokenizer", help="tokenizer folder or hub id")

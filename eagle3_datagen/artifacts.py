@@ -25,6 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, NotRequired, TypedDict
 
+from eagle3_datagen.holdout import NO_HOLDOUT, HoldoutSplit
+
 MANIFEST = "manifest.json"
 # 2: `format_version` itself, and `totals` under machine keys (RunTotals); 1 (no key) had the report's labels
 MANIFEST_FORMAT = 2
@@ -169,12 +171,14 @@ class ShardRef:
 
 @dataclass(frozen=True)
 class PromptLoadResult:
-    """The prompt shards in order, and how many source rows were read, accepted and rejected."""
+    """The prompt shards in order, how many source rows were read, accepted and rejected, and which prompts are
+    held out."""
 
     shards: list[ShardRef]
     rows: int
     accepted: int
     rejected: int
+    holdout: HoldoutSplit = NO_HOLDOUT
 
 
 @dataclass(frozen=True)

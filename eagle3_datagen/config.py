@@ -13,6 +13,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    NonNegativeInt,
     PositiveInt,
     SerializerFunctionWrapHandler,
     ValidationError,
@@ -68,6 +69,15 @@ class DataConfig(_Section):
     )
     format: Literal["auto", "sharegpt", "openai"] = Field(
         default="auto", description="`sharegpt` (conversations: from/value), `openai` (messages: role/content)."
+    )
+    holdout: float = Field(
+        default=0.01, ge=0, lt=1, description="Share of prompts held out to judge drafts on (`evaluate`): generated "
+        "and extracted like the rest, written as their own split, left out of exports and training by default. "
+        "Chosen by a salted hash of the prompt id; a conversation is held out whole.",
+    )
+    holdout_min_per_mode: NonNegativeInt = Field(
+        default=20, description="At least this many held-out prompts per thinking mode (never more than a quarter "
+        "of a mode's prompts), so every mode can be judged.",
     )
 
 

@@ -42,6 +42,7 @@ from safetensors.torch import load as load_safetensors
 from eagle3_datagen.artifacts import ENCODING_THREADS, HASH_BLOCK_BYTES, blocks_sha256_hex, sha256_hex
 from eagle3_datagen.config import Compression
 from eagle3_datagen.errors import ConfigurationError, UserError
+from eagle3_datagen.holdout import Split
 from eagle3_datagen.storage import RunStore
 
 # /4: a part's checksum is `sha256_blocks` (its blocks hashed on several threads); /3: parts may be compressed
@@ -360,13 +361,23 @@ def read_part_samples(store: RunStore, index_rel: str, part: dict, ids: list[str
             for sample_id, start, end in zip(ids, offsets[:-1], offsets[1:], strict=True)]
 
 
-def read_hidden_state_shard(store: RunStore, index_rel: str) -> Iterator[Sample]:
-    """Every sample of a finished shard, part by part, each part checked against the index."""
+def part_split(part: dict[str, Any]) -> Split:
+    """The split a part's samples belong to (parts before held-out splits existed are training parts)."""
+    return part.get("split", "train")
+
+
+def split_samples(index: dict[str, Any], split: Split) -> int:
+    return sum(part["num_samples"] for part in index["parts"] if part_split(part) == split)
+
+
+def read_hidden_state_shard(store: RunStore, index_rel: str, split: Split | None = None) -> Iterator[Sample]:
+    """Every sample of a finished shard (of one split), part by part, each part checked against the index."""
     index = store.read_json(index_rel)
     check_format(index, index_rel)
     ids = sample_ids_by_part(index)
     for number, part in enumerate(index["parts"]):
-        yield from read_part_samples(store, index_rel, part, ids.get(number, []))
+        if split is None or part_split(part) == split:
+            yield from read_part_samples(store, index_rel, part, ids.get(number, []))
 
 def read_final_norm(store: RunStore, index_rel: str) -> tuple[torch.Tensor, float]:
     """The final norm's weight and eps stored beside a shard's parts, checked against the index."""

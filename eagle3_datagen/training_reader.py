@@ -36,10 +36,12 @@ from eagle3_datagen.hidden_state_format import (
     Sample,
     check_format,
     final_rms_norm,
+    part_split,
     read_final_norm,
     read_part_samples,
     sample_ids_by_part,
 )
+from eagle3_datagen.holdout import SPLITS, Split
 from eagle3_datagen.storage import RunStore
 
 Trainer = Literal["specforge", "speculators"]
@@ -151,15 +153,20 @@ class TrainingReader(IterableDataset):
         poll_interval_s: float = 10.0,
         rank: int | None = None,
         world_size: int | None = None,
+        split: Split = "train",
     ) -> None:
         """`run`: the run folder (`runs/demo`, `s3://bucket/prefix/run`). `max_len`: SpecForge's `--max-length`,
         each sample cut to it as its normalizer does (speculators' collate packs and cuts batches itself, so its
-        samples come whole). `rank`/`world_size`: default from torch.distributed when it is initialized."""
+        samples come whole). `rank`/`world_size`: default from torch.distributed when it is initialized.
+        `split`: the training samples, or the held-out ones (`data.holdout`), which are in parts of their own."""
         if trainer not in FINAL_STATE_FOR:
             raise RunNotReadable(f"trainer {trainer!r} is not one of {sorted(FINAL_STATE_FOR)}: pass one of them")
+        if split not in SPLITS:
+            raise RunNotReadable(f"split {split!r} is not one of {list(SPLITS)}: pass one of them")
         distributed = dist.is_available() and dist.is_initialized()
         self.run, self.trainer, self.max_len, self.seed = run, trainer, max_len, seed
         self.follow, self.allow_partial, self.poll_interval_s = follow, allow_partial, poll_interval_s
+        self.split = split
         self.rank = rank if rank is not None else dist.get_rank() if distributed else 0
         self.world_size = world_size if world_size is not None else dist.get_world_size() if distributed else 1
         self.epoch = 0
@@ -184,7 +191,8 @@ class TrainingReader(IterableDataset):
             for shard in finished_shards(store, seen):
                 seen.add(shard)
                 new_parts += [part for part in _shard_parts(store, shard, first)
-                              if (part.shard + part.number + rotation) % slots == slot]
+                              if part_split(part.entry) == self.split
+                              and (part.shard + part.number + rotation) % slots == slot]
             order.shuffle(new_parts)
             for part in new_parts:
                 yield from self._samples(store, part, order, norms)

@@ -13,8 +13,8 @@ from prefect.utilities.annotations import allow_failure
 from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.errors import UserError, user_errors_one_line_in_the_ui
 from eagle3_datagen.execution import ClusterTaskRunner, check_task_runner, extraction_placement, task_runner_for
-from eagle3_datagen.fingerprints import data_fingerprint
 from eagle3_datagen.hidden_state_format import check_compression
+from eagle3_datagen.holdout import Split
 from eagle3_datagen.run_log import close_run_log, open_run_log
 from eagle3_datagen.storage import RunLocation, RunStore
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
@@ -28,7 +28,7 @@ from tasks.generation import (
 )
 from tasks.health import ServerCheck, check_servers
 from tasks.hidden_states import ExtractionSettings, extract_hidden_states
-from tasks.prompts import load_prompts
+from tasks.prompts import PromptSettings, load_prompts
 from tasks.run.lifecycle import (
     finish_run,
     record_run_end,
@@ -73,7 +73,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     context = start_run(config)
     job = GenerationJob.from_config(config)
     refuse_other_settings(job.settings, run=run)  # before the prompt stage re-cuts any shard
-    prompts = load_prompts(config.data, source_fingerprint=data_fingerprint(config.data.source), run=run)
+    prompts = load_prompts(PromptSettings.from_config(config), run=run)
 
     # Each stage takes only what changes its output, in one settings object: its inputs are its cache key, so
     # anything more would redo it when an unrelated setting changes.
@@ -87,7 +87,8 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     validated = validate_generations.map(
         generated.shards, settings=unmapped(ValidationSettings.from_config(config)), run=unmapped(run))
     sequences = build_sequence_shard.map(
-        validated, settings=unmapped(SequenceSettings.from_config(config, context.tokenizer_fingerprint)),
+        validated, settings=unmapped(SequenceSettings.from_config(config, context.tokenizer_fingerprint,
+                                                                  prompts.holdout)),
         run=unmapped(run))
     hidden: list[PrefectFuture[Any]] = []
     if config.hidden_states.backend != "none":
@@ -158,17 +159,18 @@ def extract_only(run: str, hidden_states: HiddenStatesConfig) -> dict[str, Any]:
 
 
 @flow(name="eagle3-export", flow_run_name=run_named("export"), log_prints=True)
-def export(run: str, format: ExportFormat, out: str | None = None) -> dict[str, Any]:
+def export(run: str, format: ExportFormat, out: str | None = None, split: Split = "train") -> dict[str, Any]:
     """A finished run's hidden states as the files SpecForge or speculators read; exported shards are kept.
 
     Args:
         run: The run folder, absolute (`/data/runs/my-run`) or `s3://bucket/prefix/my-run`.
         format: `specforge` or `speculators`.
-        out: Where to write (any fsspec URI); default RUN/exports/FORMAT.
+        out: Where to write (any fsspec URI); default RUN/exports/FORMAT (FORMAT-holdout for the held-out split).
+        split: `train` (the training samples), or `holdout` (the held-out ones drafts are judged on).
     """
     user_errors_one_line_in_the_ui()
     run = settled_run(run)
-    plan = plan_export(run, format, out)
+    plan = plan_export(run, format, out, split)
     shards = export_shard_task.map(unmapped(plan), plan.shards)
     return finish_export_task.submit(plan, wait_for=shards).result()
 

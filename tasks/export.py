@@ -9,7 +9,8 @@ speculators  <out>/hidden_states/hs_{i}.safetensors: token_ids [T] int64, hidden
              folder (save_to_disk, torch format) with input_ids, loss_mask and seq_len for row i, which speculators'
              ArrowDataset loads with load_from_disk and pairs with hs_{i}, plus token_freq.pt (token id -> count
              under the loss mask, as its prepare_data writes: without it --draft-vocab-size is ignored).
-both         <out>/export.json, written last: sample i -> id, layer ids in both conventions, which final state,
+both         <out>/export.json, written last: the split (training samples by default; `holdout` exports the
+             held-out ones, into <format>-holdout), sample i -> id, layer ids in both conventions, which final state,
              the dtype of the files.
 
 `i` counts samples over the shards in order, so shards export independently: each leaves a marker under
@@ -36,7 +37,13 @@ from safetensors.torch import save as save_safetensors
 
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, sha256_hex, shard_name
 from eagle3_datagen.errors import UserError, retry_unless_user_error
-from eagle3_datagen.hidden_state_format import check_format, read_final_norm, read_hidden_state_shard
+from eagle3_datagen.hidden_state_format import (
+    check_format,
+    read_final_norm,
+    read_hidden_state_shard,
+    split_samples,
+)
+from eagle3_datagen.holdout import Split
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.training_reader import FINAL_STATE_FOR, Trainer, specforge_features
 
@@ -66,12 +73,18 @@ class ExportPlan:
     run_uri: str
     out_uri: str
     format: ExportFormat
+    split: Split  # training samples, or the held-out ones
     shards: list[ShardExport]
     source: dict[str, Any]  # what export.json repeats from the hidden-state indexes: layers, sizes, dtype
 
 
-def plan_export(run_uri: str, export_format: ExportFormat, out_uri: str | None = None) -> ExportPlan:
-    """Every shard of the run must have finished hidden states: a partial export would silently lose samples."""
+def plan_export(run_uri: str, export_format: ExportFormat, out_uri: str | None = None,
+                split: Split = "train") -> ExportPlan:
+    """Every shard of the run must have finished hidden states: a partial export would silently lose samples.
+
+    `split`: the training samples (default: held-out ones are for `evaluate`, never trained on) or the held-out
+    ones, by default into RUN/exports/FORMAT-holdout.
+    """
     run = RunStore.at(run_uri)
     if not run.exists(MANIFEST):
         raise ExportError(f"{run_uri} has no {MANIFEST}: give the folder of a run (e.g. runs/demo)")
@@ -101,11 +114,15 @@ def plan_export(run_uri: str, export_format: ExportFormat, out_uri: str | None =
             )
         source = settings
         first = sum(shard.num_samples for shard in shards)
-        shards.append(ShardExport(index["shard"], first, index["num_samples"], sha256_hex(data)))
+        shards.append(ShardExport(index["shard"], first, split_samples(index, split), sha256_hex(data)))
     if not shards:
         raise ExportError(f"{run_uri} has no shards to export")
-    out = out_uri or f"{run.uri.rstrip('/')}/exports/{export_format}"
-    return ExportPlan(run.uri, out, export_format, shards, source)
+    if not any(shard.num_samples for shard in shards):
+        raise ExportError(f"{run_uri} has no {split} samples to export"
+                          + (" (data.holdout was 0)" if split == "holdout" else ""))
+    folder = export_format if split == "train" else f"{export_format}-{split}"
+    out = out_uri or f"{run.uri.rstrip('/')}/exports/{folder}"
+    return ExportPlan(run.uri, out, export_format, split, shards, source)
 
 
 def _marker(shard: ShardExport) -> str:
@@ -127,7 +144,8 @@ def export_shard(plan: ExportPlan, shard: ShardExport) -> dict[str, Any]:
     run, out = RunStore.at(plan.run_uri), RunStore.at(plan.out_uri)
     if out.exists(_marker(shard)):
         marker = out.read_json(_marker(shard))
-        if (marker["source_sha256"], marker["first"]) == (shard.source_sha256, shard.first):
+        if (marker["source_sha256"], marker["first"], marker.get("split", "train")) == (
+                shard.source_sha256, shard.first, plan.split):
             return marker
         _remove_samples(out, plan.format, ShardExport(shard.index, marker["first"], len(marker["ids"]), ""))
         out.remove(_marker(shard))
@@ -136,7 +154,7 @@ def export_shard(plan: ExportPlan, shard: ShardExport) -> dict[str, Any]:
     weight, eps = read_final_norm(run, index_rel)
     ids: list[str] = []
     rows: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "seq_len": []}
-    for i, sample in enumerate(read_hidden_state_shard(run, index_rel), start=shard.first):
+    for i, sample in enumerate(read_hidden_state_shard(run, index_rel, plan.split), start=shard.first):
         if plan.format == "specforge":
             buffer = io.BytesIO()
             torch.save(specforge_features(sample, weight, eps), buffer)
@@ -159,7 +177,7 @@ def export_shard(plan: ExportPlan, shard: ShardExport) -> dict[str, Any]:
         table = pa.table(rows, schema=_ROWS_SCHEMA)
         with out.open(_rows_file(shard), "wb") as handle:
             pq.write_table(table, handle)
-    marker = {"source_sha256": shard.source_sha256, "first": shard.first, "ids": ids}
+    marker = {"source_sha256": shard.source_sha256, "first": shard.first, "split": plan.split, "ids": ids}
     out.write_json(_marker(shard), marker)
     return marker
 
@@ -192,7 +210,8 @@ def finish_export(plan: ExportPlan) -> dict[str, Any]:
     ids: list[str] = []
     for shard in plan.shards:
         marker = out.read_json(_marker(shard)) if out.exists(_marker(shard)) else None
-        if marker is None or marker["source_sha256"] != shard.source_sha256 or marker["first"] != shard.first:
+        if marker is None or (marker["source_sha256"], marker["first"], marker.get("split", "train")) != (
+                shard.source_sha256, shard.first, plan.split):
             raise ExportError(
                 f"{shard_name(shard.index)} was not exported: run the export again (finished shards are kept)"
             )
@@ -202,6 +221,7 @@ def finish_export(plan: ExportPlan) -> dict[str, Any]:
     index = {
         "format": plan.format,
         "run": plan.run_uri,
+        "split": plan.split,
         "num_samples": len(ids),
         "final_state": FINAL_STATE_FOR[plan.format],
         **{key: value for key, value in plan.source.items() if key != "final_state"},
@@ -240,9 +260,10 @@ def token_frequencies(rows: Any) -> dict[int, int]:
     return dict(counts)
 
 
-def export_run(run_uri: str, export_format: ExportFormat, out_uri: str | None = None) -> dict[str, Any]:
+def export_run(run_uri: str, export_format: ExportFormat, out_uri: str | None = None,
+               split: Split = "train") -> dict[str, Any]:
     """The whole export in this process, shard after shard (the `export` flow runs shards as parallel tasks)."""
-    plan = plan_export(run_uri, export_format, out_uri)
+    plan = plan_export(run_uri, export_format, out_uri, split)
     for shard in plan.shards:
         export_shard(plan, shard)
     return {"out": plan.out_uri, **finish_export(plan)}

@@ -11,7 +11,7 @@ import ast
 import json
 import logging
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -31,9 +31,12 @@ from eagle3_datagen.artifacts import (
     shard_name,
 )
 from eagle3_datagen.caching import STAGE_CACHE
-from eagle3_datagen.config import DataConfig
+from eagle3_datagen.config import DataConfig, PipelineConfig
 from eagle3_datagen.conversations import user_turns
 from eagle3_datagen.errors import Eagle3Error, Log, UserError, retry_unless_user_error
+from eagle3_datagen.fingerprints import data_fingerprint
+from eagle3_datagen.holdout import HoldoutChooser
+from eagle3_datagen.modes import DEFAULT_MODE, ModeWeight, assign_mode
 from eagle3_datagen.storage import RunLocation, RunStore, marker_path
 
 logger = logging.getLogger(__name__)
@@ -438,6 +441,8 @@ def write_prompt_shards(
     fmt: PromptFormat = "auto",
     source: str = "the dataset",
     turns: str = "each",
+    holdout: HoldoutChooser | None = None,
+    mode_of: Callable[[str], str] = lambda _: DEFAULT_MODE,
 ) -> PromptLoadResult:
     """Normalize rows in input order, write accepted prompts as shards of `shard_size`, log every rejection.
 
@@ -446,6 +451,8 @@ def write_prompt_shards(
     and a row whose prompts were all seen is rejected as a duplicate. With `turns="rollout"` a row is one
     conversation (`turns` user turns), asked turn by turn on the target's own answers by generation.
 
+    `holdout` sees every prompt id with its mode (`mode_of`) to choose the held-out prompts (none without it).
+
     Raises DataSourceError when the first readable row has no prompt column (a wrong dataset, not bad rows) and when no
     row at all was accepted.
     """
@@ -453,6 +460,7 @@ def write_prompt_shards(
     batch: list[dict[str, Any]] = []
     rejections: list[dict[str, Any]] = []
     first_row_of = SeenIds()
+    holdout = holdout or HoldoutChooser(share=0.0, min_per_mode=0)
     read = accepted = 0
     checked = False
     for index, row in enumerate(rows):
@@ -484,6 +492,7 @@ def write_prompt_shards(
         accepted += 1
         for turn, pid, messages in new:
             first_row_of.add(pid, index)
+            holdout.add(pid, mode_of(pid))
             where = {"turns": user_turns(messages)} if turns == "rollout" else {"turn": turn}
             offered = {"tools": tools} if tools else {}
             batch.append({"id": pid, "messages": messages, "row": index, **where, **offered})
@@ -493,15 +502,17 @@ def write_prompt_shards(
     if batch:
         shards.append(store.write_shard("prompts", len(shards), batch))
     store.write_jsonl(REJECTED_PATH, rejections)
+    split = holdout.split()
     store.write_json(PROMPTS_SUMMARY, {"rows": read, "accepted_rows": accepted, "rejected_rows": len(rejections),
-                                       "prompts": len(first_row_of), "shards": len(shards)})
+                                       "prompts": len(first_row_of), "shards": len(shards),
+                                       "holdout": split.model_dump()})
     written = {ref.path for ref in shards}
     for stale in store.list("prompts", ".jsonl"):  # left by an earlier run that had more shards
         if stale not in written:
             store.remove(stale)
             store.remove(marker_path(stale))
 
-    result = PromptLoadResult(shards, read, accepted, len(rejections))
+    result = PromptLoadResult(shards, read, accepted, len(rejections), split)
     assert result.rows == result.accepted + result.rejected
     assert sum(ref.num_records for ref in shards) == len(first_row_of)
     if not result.rows:
@@ -535,10 +546,27 @@ def _check_columns(row: dict[str, Any], fmt: PromptFormat, source: str) -> None:
     )
 
 
-def build_prompt_shards(data: DataConfig, store: RunStore, log: Log = logger) -> PromptLoadResult:
-    """The whole stage for one data config, without Prefect."""
+@dataclass(frozen=True)
+class PromptSettings:
+    """What the prompt stage's output depends on: the data section, the mode mix (which prompts of each mode are
+    held out) and the dataset's content fingerprint (a local file edited in place is read again)."""
+
+    data: DataConfig
+    modes: list[ModeWeight]
+    source_fingerprint: str
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig) -> PromptSettings:
+        return cls(config.data, config.generation.mode_mix(config.profile), data_fingerprint(config.data.source))
+
+
+def build_prompt_shards(data: DataConfig, store: RunStore, log: Log = logger,
+                        modes: Sequence[ModeWeight] = ()) -> PromptLoadResult:
+    """The whole stage for one data config and mode mix (default: one mode), without Prefect."""
     rows = load_rows(data.source, data.split, data.limit)
-    result = write_prompt_shards(rows, store, data.shard_size, data.format, source=data.source, turns=data.turns)
+    result = write_prompt_shards(rows, store, data.shard_size, data.format, source=data.source, turns=data.turns,
+                                 holdout=HoldoutChooser(data.holdout, data.holdout_min_per_mode),
+                                 mode_of=lambda pid: assign_mode(pid, modes) if modes else DEFAULT_MODE)
     if retired := retire_shards_beyond(store, len(result.shards)):
         log.warning("removed %d files and folders of %s and later shards, made for an earlier shard layout: their "
                     "prompts are in other shards now", len(retired), shard_name(len(result.shards)))
@@ -547,13 +575,10 @@ def build_prompt_shards(data: DataConfig, store: RunStore, log: Log = logger) ->
 
 @task(name="load-prompts", task_run_name="{run.run_name}/load-prompts", retries=1,
       retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE)
-def load_prompts(data: DataConfig, source_fingerprint: str, run: RunLocation) -> PromptLoadResult:
-    """Prefect task: stage 2 for the run folder `run`.
-
-    `source_fingerprint` is part of the cache key, so a local file edited in place is read again.
-    """
+def load_prompts(settings: PromptSettings, run: RunLocation) -> PromptLoadResult:
+    """Prefect task: stage 2 for the run folder `run`."""
     try:
         log: Log = get_run_logger()
     except MissingContextError:  # called as a plain function (`load_prompts.fn`)
         log = logger
-    return build_prompt_shards(data, run.store(), log)
+    return build_prompt_shards(settings.data, run.store(), log, settings.modes)

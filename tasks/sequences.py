@@ -31,6 +31,7 @@ from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, 
 from eagle3_datagen.caching import STAGE_CACHE, OutputMadeFrom
 from eagle3_datagen.config import PipelineConfig, SequencesConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
+from eagle3_datagen.holdout import NO_HOLDOUT, HoldoutSplit, Split
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunLocation, marker_path
 from eagle3_datagen.think_tokens import (
@@ -51,6 +52,9 @@ SCHEMA = pa.schema([
     ("agrees", pa.bool_()),
     ("first_diff", pa.int32()),
     ("mode", pa.string()),
+    ("split", pa.string()),
+    ("turn", pa.int32()),
+    ("has_tool_call", pa.bool_()),
 ])
 
 
@@ -70,6 +74,9 @@ class Sequence:
     agrees: bool | None  # None when only one way was built
     first_diff: int | None
     mode: str  # the mode the prompt was asked in (the profile's default mode in a run without a mix)
+    split: Split = "train"  # held out (data.holdout) or not
+    turn: int = 0  # a rollout's turn
+    has_tool_call: bool = False  # the answer calls a tool
 
 
 @dataclass
@@ -207,6 +214,7 @@ def build_sequences(
     profile: ModelProfile,
     spec: ThinkTokenSpec,
     settings: SequencesConfig,
+    holdout: HoldoutSplit = NO_HOLDOUT,
 ) -> ShardSequences:
     """Sequences for a shard's records; samples that are not provably exact are rejected.
 
@@ -260,7 +268,9 @@ def build_sequences(
                 shard.reject(record["id"], f"{len(ids)} tokens > sequences.max_seq_len {settings.max_seq_len}")
                 continue
             ids, mask = ids[: settings.max_seq_len], mask[: settings.max_seq_len]
-        shard.sequences.append(Sequence(record["id"], ids, mask, source, agrees, diff, mode))
+        split = holdout.split_of(prompt_id_of(record["id"]), mode)
+        shard.sequences.append(Sequence(record["id"], ids, mask, source, agrees, diff, mode, split,
+                                        record.get("turn", 0), bool(record.get("tool_calls"))))
     return shard
 
 
@@ -275,6 +285,9 @@ def to_table(sequences: list[Sequence]) -> pa.Table:
             "agrees": [s.agrees for s in sequences],
             "first_diff": [s.first_diff for s in sequences],
             "mode": [s.mode for s in sequences],
+            "split": [s.split for s in sequences],
+            "turn": [s.turn for s in sequences],
+            "has_tool_call": [s.has_tool_call for s in sequences],
         },
         schema=SCHEMA,
     )
@@ -308,11 +321,13 @@ class SequenceSettings:
     tokenizer_fingerprint: str  # a tokenizer changed at the same path builds again
     sequences: SequencesConfig
     max_rebuild_mismatch_rate: float
+    holdout: HoldoutSplit  # the prompt stage's choice: which samples are written as the held-out split
 
     @classmethod
-    def from_config(cls, config: PipelineConfig, tokenizer_fingerprint: str) -> SequenceSettings:
+    def from_config(cls, config: PipelineConfig, tokenizer_fingerprint: str, holdout: HoldoutSplit
+                    ) -> SequenceSettings:
         return cls(config.profile, config.model.tokenizer, tokenizer_fingerprint, config.sequences,
-                   config.validation.max_rebuild_mismatch_rate)
+                   config.validation.max_rebuild_mismatch_rate, holdout)
 
 
 @task(name="build-sequences", task_run_name="{run.run_name}/build-sequences-{generations.index:05d}", retries=1,
@@ -330,7 +345,7 @@ def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run:
     max_rebuild_mismatch_rate = settings.max_rebuild_mismatch_rate
     tables, rejected, rebuilt_from_text, count_mismatches = [], [], 0, 0
     for records in whole_prompts(store.read_shard_records(generations), CHUNK_RECORDS):
-        chunk = build_sequences(records, tok, settings.profile, spec, settings.sequences)
+        chunk = build_sequences(records, tok, settings.profile, spec, settings.sequences, settings.holdout)
         tables.append(to_table(chunk.sequences))
         rejected += chunk.rejected
         rebuilt_from_text += chunk.rebuilt_from_text

@@ -30,6 +30,7 @@ from eagle3_datagen.hidden_state_format import (
     part_checksum,
     save_safetensors,
 )
+from eagle3_datagen.holdout import SPLITS, Split
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.targets import TargetInfo, resolve_aux_layers
 
@@ -42,21 +43,23 @@ class TokenSequence:
     input_ids: torch.Tensor  # [t] int32
     loss_mask: torch.Tensor  # [t] uint8
     mode: str | None = None  # the mode its prompt was asked in; None in sequences without a mode column
+    split: Split = "train"  # held out, or not (sequences without a split column hold no held-out samples)
 
 def read_sequences(store: RunStore, ref: ShardRef, vocab_size: int) -> list[TokenSequence]:
     """The sequences shard (checksum checked), and what would break a forward pass or the index (ids, lengths,
     vocab)."""
     rel = ref.path
     data = store.read_shard(ref)
-    with_mode = "mode" in pq.read_schema(io.BytesIO(data)).names
-    table = pq.read_table(io.BytesIO(data), columns=["id", "input_ids", "loss_mask", *(["mode"] if with_mode else [])])
+    optional = [name for name in ("mode", "split") if name in pq.read_schema(io.BytesIO(data)).names]
+    table = pq.read_table(io.BytesIO(data), columns=["id", "input_ids", "loss_mask", *optional])
     ids = table.column("id").to_pylist()
-    modes = table.column("mode").to_pylist() if with_mode else [None] * len(ids)
+    modes = table.column("mode").to_pylist() if "mode" in optional else [None] * len(ids)
+    splits = table.column("split").to_pylist() if "split" in optional else ["train"] * len(ids)
     input_ids = _list_column(table.column("input_ids"), torch.int32)
     loss_masks = _list_column(table.column("loss_mask"), torch.uint8)
     sequences: list[TokenSequence] = []
     seen: set[str] = set()
-    for sample_id, tokens, mask, mode in zip(ids, input_ids, loss_masks, modes, strict=True):
+    for sample_id, tokens, mask, mode, split in zip(ids, input_ids, loss_masks, modes, splits, strict=True):
         if sample_id in seen:
             raise HiddenStatesError(f"{rel}: sample id {sample_id!r} appears twice")
         if len(tokens) == 0 or len(tokens) != len(mask):
@@ -67,7 +70,7 @@ def read_sequences(store: RunStore, ref: ShardRef, vocab_size: int) -> list[Toke
                 " (tokenized for another model?)"
             )
         seen.add(sample_id)
-        sequences.append(TokenSequence(sample_id, tokens, mask, mode))
+        sequences.append(TokenSequence(sample_id, tokens, mask, mode, split))
     return sequences
 
 def _list_column(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -84,7 +87,8 @@ class _PartWriter:
     one fills: hashing and writing release the GIL, so on a GPU they overlap the forward passes instead of adding
     to them. The backends check the states are finite where they are made, before this. One part at a time, so at
     most two are in memory. Under fp8 it keeps every stored row's cosine to the model-dtype row (4 floats per
-    token) for the index.
+    token) for the index. Held-out samples go to parts of their own (marked `"split": "holdout"` in the index), so
+    training and evaluation each read only their own parts.
     """
 
     def __init__(self, store: RunStore, folder: str, part_size_bytes: int, metadata: dict[str, str],
@@ -94,8 +98,8 @@ class _PartWriter:
         self.parts: list[dict[str, Any]] = []
         self.rows: dict[str, list[int]] = {}
         self.cosines: list[torch.Tensor] = []
-        self._pending: list[Sample] = []
-        self._pending_bytes = 0
+        self._pending: dict[Split, list[Sample]] = {split: [] for split in SPLITS}
+        self._pending_bytes: dict[Split, int] = dict.fromkeys(SPLITS, 0)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hidden-states-parts")
         self._writing: Future[None] | None = None
 
@@ -105,22 +109,23 @@ class _PartWriter:
     def __exit__(self, *exc_info: object) -> None:
         self._thread.shutdown(wait=True)  # a part being written ends with the shard, never after it
 
-    def add(self, sample: Sample) -> None:
-        self._pending.append(sample)
-        self._pending_bytes += sample.nbytes
-        if self._pending_bytes >= self.part_size_bytes:
-            self.flush()
+    def add(self, sample: Sample, split: Split) -> None:
+        self._pending[split].append(sample)
+        self._pending_bytes[split] += sample.nbytes
+        if self._pending_bytes[split] >= self.part_size_bytes:
+            self.flush(split)
 
-    def flush(self) -> None:
-        """Hand the samples so far to the writing thread, once the part before them is written."""
-        if not self._pending:
+    def flush(self, split: Split) -> None:
+        """Hand the split's samples so far to the writing thread, once the part before them is written."""
+        samples = self._pending[split]
+        if not samples:
             return
-        samples, self._pending, self._pending_bytes = self._pending, [], 0
+        self._pending[split], self._pending_bytes[split] = [], 0
         self.wait()
         number = len(self.parts)
         for row, sample in enumerate(samples):
             self.rows[sample.id] = [number, row]
-        self._writing = self._thread.submit(self._write, number, samples)
+        self._writing = self._thread.submit(self._write, number, samples, split)
 
     def wait(self) -> None:
         """Until the part being written is written; what stopped it is raised here."""
@@ -128,7 +133,7 @@ class _PartWriter:
         if writing is not None:
             writing.result()
 
-    def _write(self, number: int, samples: list[Sample]) -> None:
+    def _write(self, number: int, samples: list[Sample], split: Split) -> None:
         ids = [sample.id for sample in samples]
         lengths = [len(sample.input_ids) for sample in samples]
         pieces = {name: [getattr(sample, name) for sample in samples] for name in PART_TENSORS}
@@ -140,7 +145,7 @@ class _PartWriter:
             self.cosines.append(encoded.cosines)
         self.parts.append({"file": name, "num_samples": len(ids), "num_tokens": sum(lengths),
                            "bytes": sum(buffer.nbytes for buffer in encoded.buffers),
-                           **part_checksum(encoded.buffers)})
+                           **part_checksum(encoded.buffers), **({"split": split} if split != "train" else {})})
 
 
 def write_shard(
@@ -161,10 +166,12 @@ def write_shard(
     layer_ids = {"input_to_layer": aux_layers, "output_of_layer": [i - 1 for i in aux_layers]}
     metadata = {"format": FORMAT, "aux_layers": json.dumps(layer_ids), "final_state": FINAL_STATE}
     with _PartWriter(store, folder, settings.part_size_bytes, metadata, settings.compression) as writer:
+        split_of = {sequence.id: sequence.split for sequence in sequences}
         with contextlib.closing(samples(sequences, aux_layers)) as stream:  # closed now, also when add() raises
             for sample in stream:
-                writer.add(sample)
-        writer.flush()
+                writer.add(sample, split_of[sample.id])
+        for split in SPLITS:
+            writer.flush(split)
         writer.wait()
     norm_file = save_safetensors({"weight": target.norm_weight.contiguous()}, metadata={"eps": repr(target.norm_eps)})
     store.write_bytes(posixpath.join(folder, FINAL_NORM_FILE), norm_file)

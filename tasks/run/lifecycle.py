@@ -168,7 +168,7 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
               for ref in prompt_shards}
     last_stage = "hidden_states" if with_hidden else "sequences"
     shard_rows = [shard_row(name, status, last_stage) for name, status in shards.items()]
-    by_mode = mode_rows(shards, {entry.mode: entry.weight for entry in mix}, last_stage)
+    by_mode = mode_rows(shards, {entry.mode: entry.weight for entry in mix}, last_stage, prompts.holdout.prompts)
     by_turn = turn_rows(shards)
     timeline = store.read_jsonl(TIMELINE) if store.exists(TIMELINE) else []
     plots = run_plots(shards, shard_rows, timeline)
@@ -210,7 +210,7 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
                           generation_error)
     end_run(store, "failed" if cause else "completed", cause,
             shards={name: status.as_manifest() for name, status in shards.items()}, totals=totals.as_manifest(),
-            modes=by_mode, **({"turns": by_turn} if by_turn else {}))
+            modes=by_mode, holdout=prompts.holdout.model_dump(), **({"turns": by_turn} if by_turn else {}))
     if cause and isinstance(error, UserError):
         raise error.restated(cause) from None  # its type and exit status, with what the run knows now
     if cause:

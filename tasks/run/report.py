@@ -41,8 +41,10 @@ def shard_row(name: str, status: ShardStatus, last_stage: str) -> dict[str, Any]
     }
 
 
-def mode_rows(shards: dict[str, ShardStatus], weights: dict[str, float], last_stage: str) -> list[dict[str, Any]]:
-    """What the report says of each mode of the run's mix: records, samples kept and refused, lengths.
+def mode_rows(shards: dict[str, ShardStatus], weights: dict[str, float], last_stage: str,
+              held_out: dict[str, int]) -> list[dict[str, Any]]:
+    """What the report says of each mode of the run's mix: records, samples kept and refused, lengths, and its
+    prompts held out to judge drafts on (`held_out`, the prompt stage's count).
 
     Kept samples are those of shards that reached the last stage; refused ones were refused by the server or by
     the sequences stage (not provably exact, or reasoning in a mode answered without it).
@@ -62,6 +64,7 @@ def mode_rows(shards: dict[str, ShardStatus], weights: dict[str, float], last_st
             "records": records,
             "kept": kept,
             "refused": refused,
+            "held-out prompts": held_out.get(mode, 0),
             "with reasoning": f"{sum(g.get('with_reasoning', 0) for g in generated) / max(1, records):.1%}",
             "mean reasoning tok": f"{sum(g.get('reasoning_tokens', 0) for g in generated) / max(1, records):.1f}",
             "mean answer tok": f"{sum(g.get('answer_tokens', 0) for g in generated) / max(1, records):.1f}",

@@ -85,13 +85,15 @@ from eagle3_datagen.config import parse_config
 from eagle3_datagen.storage import RunLocation
 from tasks.generation import GenerationJob
 from tasks.hidden_states import ExtractionSettings
+from eagle3_datagen.holdout import NO_HOLDOUT
 from tasks.sequences import SequenceSettings
 from tasks.validation import ValidationSettings
 
 config = parse_config({"run_name": "r", "data": {"source": "d.jsonl"}, "server": {"endpoints": ["http://x:1"]},
                        "model": {"name": "m", "profile": "qwen3", "tokenizer": "t"}})
 settings = [GenerationJob.from_config(config), ValidationSettings.from_config(config),
-            SequenceSettings.from_config(config, "tokenizer-fp"), ExtractionSettings.from_config(config, "target-fp")]
+            SequenceSettings.from_config(config, "tokenizer-fp", NO_HOLDOUT),
+            ExtractionSettings.from_config(config, "target-fp")]
 print(" ".join(INPUTS.compute_key(None, {"settings": s, "run": RunLocation("/runs", "r")}, {}) for s in settings))
 """
 

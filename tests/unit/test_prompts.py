@@ -14,11 +14,13 @@ import pytest
 
 from eagle3_datagen.artifacts import sha256_hex
 from eagle3_datagen.config import DataConfig
+from eagle3_datagen.modes import ModeWeight
 from eagle3_datagen.storage import RunLocation, RunStore
 from tasks.prompts import (
     REJECTED_PATH,
     DataSourceError,
     PromptLoadResult,
+    PromptSettings,
     RowRejected,
     build_prompt_shards,
     load_prompts,
@@ -322,7 +324,8 @@ def test_the_prefect_task_writes_the_run_folder_and_returns_a_picklable_result(t
     source = write_rows(tmp_path / "q.jsonl", [sharegpt(*CONVERSATION), question(1), question(1)])
     data = DataConfig(source=str(source), shard_size=1, turns="last")
 
-    result = load_prompts.fn(data, "fp", RunLocation(str(tmp_path / "runs"), "demo"))
+    settings = PromptSettings(data, [ModeWeight(mode="thinking", weight=1.0)], "fp")
+    result = load_prompts.fn(settings, RunLocation(str(tmp_path / "runs"), "demo"))
 
     assert (result.rows, result.accepted, result.rejected) == (3, 2, 1)
     assert [ref.path for ref in result.shards] == ["prompts/shard-00000.jsonl", "prompts/shard-00001.jsonl"]
@@ -341,8 +344,10 @@ def test_a_torn_jsonl_line_is_rejected_with_its_line_number_and_the_rest_goes_on
     reasons = {row["row"]: row["reason"] for row in store.read_jsonl(REJECTED_PATH)}
     assert reasons[2].startswith("q.jsonl line 3 is not valid JSON")
     assert reasons[5] == "q.jsonl line 6 is not a JSON object"
-    assert store.read_json("prompts/summary.json") == {"rows": 6, "accepted_rows": 4, "rejected_rows": 2,
-                                                       "prompts": 4, "shards": 1}
+    summary = store.read_json("prompts/summary.json")
+    assert summary | {"holdout": None} == {"rows": 6, "accepted_rows": 4, "rejected_rows": 2, "prompts": 4,
+                                           "shards": 1, "holdout": None}
+    assert summary["holdout"]["prompts"] == {"thinking": 1}  # a quarter of 4: the minimum of 20 is capped
 
 
 @pytest.mark.parametrize("name", ["empty.jsonl", "empty.json", "empty.parquet"])
