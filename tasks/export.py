@@ -238,8 +238,9 @@ def _write_dataset(out: RunStore, plan: ExportPlan) -> None:
     import datasets
 
     with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
-        local = [str(Path(tmp, f"{shard_name(s.index)}.parquet")) for s in plan.shards]
-        for shard, path in zip(plan.shards, local, strict=True):
+        shards = [shard for shard in plan.shards if shard.num_samples]  # datasets cannot read an empty parquet
+        local = [str(Path(tmp, f"{shard_name(s.index)}.parquet")) for s in shards]
+        for shard, path in zip(shards, local, strict=True):
             Path(path).write_bytes(out.read_bytes(_rows_file(shard)))
         dataset = datasets.Dataset.from_parquet(local, cache_dir=str(Path(tmp, "cache")))
         dataset.set_format(type="torch")

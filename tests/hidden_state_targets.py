@@ -33,17 +33,19 @@ def random_rows(lengths: list[int], seed: int = 0) -> list[tuple[str, list[int],
     ]
 
 
-def write_sequences(store: RunStore, shard: int, rows: list[tuple[str, list[int], list[int]]]) -> ShardRef:
-    """A shard with the sequences stage's schema (id, input_ids list<int32>, loss_mask list<int8>, + extras), and
-    the ShardRef the extraction stage reads it by."""
-    table = pa.table(
-        {
-            "id": pa.array([r[0] for r in rows], pa.string()),
-            "input_ids": pa.array([r[1] for r in rows], pa.list_(pa.int32())),
-            "loss_mask": pa.array([r[2] for r in rows], pa.list_(pa.int8())),
-            "num_tokens": pa.array([len(r[1]) for r in rows], pa.int32()),
-        }
-    )
+def write_sequences(store: RunStore, shard: int, rows: list[tuple[str, list[int], list[int]]],
+                    held_out: set[str] | None = None) -> ShardRef:
+    """A shard with the sequences stage's schema (id, input_ids list<int32>, loss_mask list<int8>, + extras; with
+    `held_out`, a split column holding those ids out), and the ShardRef the extraction stage reads it by."""
+    columns = {
+        "id": pa.array([r[0] for r in rows], pa.string()),
+        "input_ids": pa.array([r[1] for r in rows], pa.list_(pa.int32())),
+        "loss_mask": pa.array([r[2] for r in rows], pa.list_(pa.int8())),
+        "num_tokens": pa.array([len(r[1]) for r in rows], pa.int32()),
+    }
+    if held_out is not None:
+        columns["split"] = pa.array(["holdout" if r[0] in held_out else "train" for r in rows], pa.string())
+    table = pa.table(columns)
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     return store.write_shard_bytes("sequences", shard, buffer.getvalue(), len(rows))

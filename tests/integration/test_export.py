@@ -15,6 +15,7 @@ from cli.main import main
 from eagle3_datagen.artifacts import MANIFEST
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.storage import RunStore
+from eagle3_datagen.training_reader import TrainingReader
 from flows.pipeline import export
 from tasks.export import ExportError, export_run
 from tasks.hidden_states.transformers_backend import TargetModel, extract_shard, load_target_model
@@ -41,7 +42,7 @@ def shard_rows(shard: int, lengths: list[int]) -> list[tuple[str, list[int], lis
 
 
 def make_run(output_uri: str, target: TargetModel, shards: dict[int, list[int]] = SHARDS,
-             dtype: str = "bfloat16", compression: str = "none") -> RunStore:
+             dtype: str = "bfloat16", compression: str = "none", held_out: set[str] | None = None) -> RunStore:
     """A run whose every shard has hidden states, as the pipeline leaves it (manifest, sequences, parts)."""
     store = RunStore(output_uri, "run")
     store.write_json(
@@ -53,7 +54,7 @@ def make_run(output_uri: str, target: TargetModel, shards: dict[int, list[int]] 
         },
     )
     for shard, lengths in shards.items():
-        sequences = write_sequences(store, shard, shard_rows(shard, lengths))
+        sequences = write_sequences(store, shard, shard_rows(shard, lengths), held_out)
         settings = HiddenStatesConfig(dtype=dtype, part_size_bytes=20_000, compression=compression)
         extract_shard(store, sequences, target, settings)
     return store
@@ -240,7 +241,7 @@ def test_cli_exports_and_prints_one_line_errors(
 ) -> None:
     make_run(str(tmp_path), bf16, {0: [4, 8]})
     assert main(["export", str(tmp_path / "run"), "--format", "speculators"]) == 0
-    assert "2 samples" in capsys.readouterr().out
+    assert "2 train samples" in capsys.readouterr().out
     assert main(["export", str(tmp_path / "nothing-here"), "--format", "specforge"]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "give the folder of a run" in error
@@ -252,3 +253,39 @@ def test_export_flow_runs_shards_as_tasks(tmp_path: Path, bf16: TargetModel) -> 
     summary = export(str(tmp_path / "run"), "specforge")
     assert summary["num_samples"] == 9
     assert len(list((tmp_path / "run" / "exports" / "specforge").rglob("*.ckpt"))) == 9
+
+
+HELD_OUT = {"0-1", "2-0", "2-3"}
+
+
+@pytest.mark.parametrize("export_format", ["specforge", "speculators"])
+def test_held_out_samples_are_their_own_parts_and_reach_no_training_export(
+        tmp_path: Path, bf16: TargetModel, export_format: str) -> None:
+    store = make_run(str(tmp_path), bf16, held_out=HELD_OUT)
+    for shard in (0, 2):
+        parts = store.read_json(f"hidden_states/shard-{shard:05d}/index.json")["parts"]
+        assert any(part.get("split") == "holdout" for part in parts)
+    every = {f"{shard}-{k}" for shard, lengths in SHARDS.items() for k in range(len(lengths))}
+
+    train = export_run(store.uri, export_format)
+    held = export_run(store.uri, export_format, split="holdout")
+
+    assert (train["split"], train["num_samples"], held["split"], held["num_samples"]) == (
+        "train", len(every) - len(HELD_OUT), "holdout", len(HELD_OUT))
+    exported = {split: set(RunStore.at(f"{store.uri}/exports/{folder}").read_json("export.json")["samples"])
+                for split, folder in (("train", export_format), ("holdout", f"{export_format}-holdout"))}
+    assert exported == {"train": every - HELD_OUT, "holdout": HELD_OUT}
+    if export_format == "speculators":
+        assert len(datasets.load_from_disk(f"{store.uri}/exports/speculators")) == len(every) - len(HELD_OUT)
+    readers = {split: {bytes(s["input_ids"].flatten().numpy()) for s in TrainingReader(store.uri, export_format,
+                                                                                    split=split)}
+               for split in ("train", "holdout")}
+    rows = {f"{shard}-{k}": bytes(torch.tensor(row[1], dtype=torch.int64).numpy())
+            for shard, lengths in SHARDS.items() for k, row in enumerate(shard_rows(shard, lengths))}
+    assert readers == {"train": {rows[i] for i in every - HELD_OUT}, "holdout": {rows[i] for i in HELD_OUT}}
+
+
+def test_a_run_without_held_out_samples_says_so_when_they_are_asked_for(tmp_path: Path, bf16: TargetModel) -> None:
+    store = make_run(str(tmp_path), bf16, shards={0: [5, 6]})
+    with pytest.raises(ExportError, match="has no holdout samples to export"):
+        export_run(store.uri, "speculators", split="holdout")
