@@ -1,5 +1,5 @@
-"""The `eagle3-datagen` command: run the pipeline or the demo, verify or export a run, probe a tokenizer, print
-the configuration reference.
+"""The `eagle3-datagen` command: run the pipeline or the demo, verify or export a run, judge a draft on it, probe a
+tokenizer, print the configuration reference.
 
 Every failure a user can fix prints as one line naming the fix, with exit status 2 (config) or 1 (run).
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 MAX_LISTED = 20  # missing artifacts listed by `verify` before it summarizes
+PROGRESS_S = 5.0  # between `evaluate`'s progress lines
 RUNS_A_FLOW = ("run", "demo", "rerun-failed")
 
 
@@ -101,6 +102,29 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from tasks.evaluate import evaluate_draft
+    from tasks.evaluate.acceptance import table
+
+    shown = [time.monotonic()]
+
+    def progress(done: int, total: int) -> None:
+        if time.monotonic() - shown[0] > PROGRESS_S or done == total:
+            shown[0] = time.monotonic()
+            print(f"judged {done} of {total} held-out samples", flush=True)
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    summary = evaluate_draft(args.run, args.draft, args.steps, device, progress)
+    print("\n".join(table(summary["rows"])))
+    print(f"draft {summary['name']}: expected acceptance length {summary['acceptance_length']:.3f} over "
+          f"{summary['samples']} held-out samples; written to {summary['run']}/evaluations/{summary['name']}/")
+    return 0
+
+
 def cmd_probe_tokenizer(args: argparse.Namespace) -> int:
     from eagle3_datagen.profiles import BUILTIN_PROFILES
     from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
@@ -161,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--split", choices=["train", "holdout"], default="train",
                         help="the training samples (default), or the held-out ones `evaluate` judges drafts on")
     export.set_defaults(func=cmd_export)
+    evaluate = commands.add_parser("evaluate", help="judge a draft on the run's held-out split: its expected "
+                                   "acceptance length by mode, turn, source and tool call")
+    evaluate.add_argument("run", help="the run folder")
+    evaluate.add_argument("--draft", required=True, help="a speculators EAGLE-3 checkpoint folder")
+    evaluate.add_argument("--steps", type=int, help="tokens drafted per step (default: what the draft was trained for)")
+    evaluate.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda where there is one")
+    evaluate.set_defaults(func=cmd_evaluate)
     probe = commands.add_parser("probe-tokenizer", help="find and prove a tokenizer's think-token ids")
     probe.add_argument("tokenizer", help="tokenizer folder or hub id")
     probe.add_argument("--profile", default="kimi-k2.5", choices=sorted(BUILTIN_PROFILES))

@@ -13,7 +13,8 @@ Layout under `{output_uri}/{run_name}/`:
   <stage>/shard-NNNNN.done.json          completion marker of a shard file: its ref, bytes, what it was made from,
                                          and the report's counts of it (a re-run reads markers, not shards)
   generations/timeline.jsonl             generation sampled twice a second: time, prompts finished, in flight
-  report.md, plots/*.png                 the run report and its plots
+  report.md, plots/*.png                 the run report and its plots (and the drafts judged on its held-out split)
+  evaluations/DRAFT/                     evaluation.json, evaluation.md, acceptance.png: `evaluate` of one draft
 """
 
 from __future__ import annotations
@@ -33,10 +34,19 @@ MANIFEST_FORMAT = 2
 PROMPTS_SUMMARY = "prompts/summary.json"  # rows read, accepted and rejected by the prompt stage
 REJECTED_PATH = "rejected/prompts.jsonl"  # input rows that gave no prompt, with their reasons
 TIMELINE = "generations/timeline.jsonl"  # generation's progress over time, for the report's latency plot
+REPORT = "report.md"
+EVALUATIONS = "evaluations"  # evaluations/DRAFT/: a draft judged on the held-out split (`evaluate`)
+EVALUATIONS_HEADING = "\n## Draft evaluations\n"  # the report's last section, kept when the run re-renders it
 
 
 SHARD_STAGES = ("generations", "validation", "sequences", "hidden_states", "rejected")  # made per prompt shard
 _SHARD_FILE = re.compile(r"(?:[a-z_]+-)?shard-(\d{5})(?:[./]|$)")
+
+
+def evaluations_section(report: str) -> str:
+    """What `evaluate` appended to a report ('' if nothing): a re-run that renders the report again keeps it."""
+    at = report.find(EVALUATIONS_HEADING)
+    return report[at:] if at >= 0 else ""
 
 
 def shard_name(index: int) -> str:

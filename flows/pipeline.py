@@ -17,6 +17,7 @@ from eagle3_datagen.hidden_state_format import check_compression
 from eagle3_datagen.holdout import Split
 from eagle3_datagen.run_log import close_run_log, open_run_log
 from eagle3_datagen.storage import RunLocation, RunStore
+from tasks.evaluate import evaluate_draft_task
 from tasks.export import ExportFormat, export_shard_task, finish_export_task, plan_export
 from tasks.generation import (
     GenerationJob,
@@ -202,6 +203,24 @@ def verify(run: str, deep: bool = False) -> dict[str, Any]:
     if not result.complete:
         raise RunNotVerified(result.verdict())
     return asdict(result)
+
+
+@flow(name="eagle3-evaluate", flow_run_name=run_named("evaluate"), log_prints=True)
+def evaluate(run: str, draft: str, steps: int | None = None) -> dict[str, Any]:
+    """Judge a draft before training on it for days: its expected acceptance length on the run's held-out split,
+    by mode, turn, source and tool call, as its trainer's validation computes it; a table and a plot in the run's
+    report and in this run's artifacts.
+
+    Args:
+        run: The run folder, absolute (`/data/runs/my-run`) or `s3://bucket/prefix/my-run`.
+        draft: A speculators EAGLE-3 checkpoint folder, on the worker's disk.
+        steps: Tokens drafted per step (default: what the draft was trained for).
+    """
+    user_errors_one_line_in_the_ui()
+    summary = evaluate_draft_task(settled_run(run), draft=draft, steps=steps)
+    print(f"draft {summary['name']}: expected acceptance length {summary['acceptance_length']:.3f} over "
+          f"{summary['samples']} held-out samples ({summary['steps']} drafted tokens per step)")
+    return summary
 
 
 def verify_for(run: str) -> Flow[[str, bool], dict[str, Any]]:

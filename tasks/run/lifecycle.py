@@ -19,10 +19,12 @@ from eagle3_datagen import __version__
 from eagle3_datagen.artifacts import (
     MANIFEST,
     MANIFEST_FORMAT,
+    REPORT,
     TIMELINE,
     GenerationOutcome,
     PromptLoadResult,
     RunTotals,
+    evaluations_section,
     prompt_id_of,
     shard_name,
     ui_key,
@@ -198,8 +200,9 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
         store.write_bytes(PLOT_FILES[title], png)
     report = render_report(config.run_name, store.uri, shard_rows, totals.labelled(), {},  # plots linked
                            [by_mode, by_turn])
-    store.write_text("report.md", report + "".join(f"\n![{title}]({file})\n" for title, file in PLOT_FILES.items()
-                                                   if title in plots))
+    evaluated = evaluations_section(store.read_text(REPORT)) if store.exists(REPORT) else ""
+    store.write_text(REPORT, report + "".join(f"\n![{title}]({file})\n" for title, file in PLOT_FILES.items()
+                                              if title in plots) + evaluated)
     create_markdown_artifact(key=ui_key(config.run_name, "report"),
                              markdown=render_report(config.run_name, store.uri, shard_rows, totals.labelled(),
                                                     plots, [by_mode, by_turn]),

@@ -2,46 +2,29 @@
 
 from __future__ import annotations
 
-import io
 from itertools import pairwise
 from typing import Any
 
 import numpy as np
 
+from eagle3_datagen.plotting import png, pyplot
 from tasks.run.status import ShardStatus
-
-
-def _pyplot() -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _png(figure: Any) -> bytes:
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=80)
-    _pyplot().close(figure)
-    return buffer.getvalue()
 
 
 def plot_lengths(reasoning: np.ndarray, answers: np.ndarray) -> bytes:
     """Histograms of reasoning and answer tokens per sample."""
-    figure, axes = _pyplot().subplots(1, 2, figsize=(8, 3))
+    figure, axes = pyplot().subplots(1, 2, figsize=(8, 3))
     for axis, lengths, what in ((axes[0], reasoning, "reasoning"), (axes[1], answers, "answer")):
         axis.hist(lengths, bins=min(40, max(5, len(np.unique(lengths)))), color="#3b6ea8")
         axis.set_xlabel(f"{what} tokens per sample")
         axis.set_ylabel("samples")
         axis.set_title(f"{what.capitalize()} length")
-    return _png(figure)
+    return png(figure)
 
 
 def plot_shard_outcomes(names: list[str], accepted: list[int], rejected: list[int]) -> bytes:
     """Prompts accepted into the training set and prompts rejected, per shard."""
-    figure, axis = _pyplot().subplots(figsize=(8, 3))
+    figure, axis = pyplot().subplots(figsize=(8, 3))
     positions = range(len(names))
     axis.bar(positions, accepted, color="#3b8a4a", label="accepted")
     axis.bar(positions, rejected, bottom=accepted, color="#b8433a", label="rejected")
@@ -50,7 +33,7 @@ def plot_shard_outcomes(names: list[str], accepted: list[int], rejected: list[in
     axis.set_ylabel("prompts")
     axis.set_title("Accepted and rejected per shard")
     axis.legend()
-    return _png(figure)
+    return png(figure)
 
 
 def latency_over_time(timeline: list[dict[str, float]], points: int = 60) -> list[tuple[float, float]]:
@@ -77,13 +60,13 @@ def latency_over_time(timeline: list[dict[str, float]], points: int = 60) -> lis
 
 
 def plot_latency(curve: list[tuple[float, float]]) -> bytes:
-    figure, axis = _pyplot().subplots(figsize=(8, 3))
+    figure, axis = pyplot().subplots(figsize=(8, 3))
     axis.plot([t for t, _ in curve], [latency for _, latency in curve], marker=".", color="#6a4c93")
     axis.set_xlabel("seconds into generation")
     axis.set_ylabel("seconds")
     axis.set_title("Mean request latency (requests in flight ÷ completions per second)")
     axis.set_ylim(bottom=0)
-    return _png(figure)
+    return png(figure)
 
 
 PLOT_FILES = {"reasoning and answer lengths": "reasoning_lengths.png",

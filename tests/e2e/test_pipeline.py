@@ -25,6 +25,7 @@ from trainer_files import assert_the_trainers_read_every_sample
 from cli.demo import DEMO_MODEL_NAME, demo_questions
 from cli.main import main
 from cli.runner import run_pipeline
+from eagle3_datagen.artifacts import prompt_id_of
 from eagle3_datagen.config import PipelineConfig, parse_config
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.storage import RunStore
@@ -94,7 +95,11 @@ def test_every_stage_runs_and_a_second_run_is_all_cached(tiny_model: Path, serve
     assert first["stages"][-1] == f"trainer files: eagle3-datagen export {run} --format specforge (or speculators)"
     exported = export_run(str(run), "specforge")
     samples = sum(json.loads(p.read_text())["num_samples"] for p in run.glob("hidden_states/*/index.json"))
-    assert exported["num_samples"] == samples == len(list((run / "exports" / "specforge").rglob("data_*.ckpt")))
+    held = manifest["holdout"]["prompts"]["thinking"]
+    assert held == 6, "24 prompts: 1 % is none, the minimum of 20 is capped at a quarter"
+    assert exported["num_samples"] == samples - held == len(list((run / "exports" / "specforge").rglob("data_*.ckpt")))
+    assert export_run(str(run), "specforge", split="holdout")["num_samples"] == held
+    assert "| refused | held-out prompts |" in (run / "report.md").read_text()
 
     requests = server.log.requests
     second = run_pipeline(config(tiny_model, server.url, tmp_path))
@@ -207,9 +212,17 @@ def test_a_rollout_regenerates_each_turn_on_its_own_answers_through_every_stage(
                  for row in pq.read_table(f).to_pylist()]
     assert len(second_turns) == 1 and all(row["agrees"] for row in sequences)
     assert sorted(row["id"] for row in sequences) == sorted(r["id"] for r in records)
-    assert export_run(str(run), "speculators")["num_samples"] == 41
-    assert export_run(str(run), "specforge")["num_samples"] == 41
-    assert_the_trainers_read_every_sample(run, 41)
+    splits: dict[str, set[str]] = {}
+    for row in sequences:
+        splits.setdefault(prompt_id_of(row["id"]), set()).add(row["split"])
+    assert all(len(split) == 1 for split in splits.values()), "a conversation is held out whole"
+    held_conversations = [conversation for conversation, split in splits.items() if split == {"holdout"}]
+    assert len(held_conversations) == sum(manifest["holdout"]["prompts"].values()) > 0
+    held = sum(row["split"] == "holdout" for row in sequences)
+    assert export_run(str(run), "speculators")["num_samples"] == 41 - held
+    assert export_run(str(run), "specforge")["num_samples"] == 41 - held
+    assert export_run(str(run), "speculators", split="holdout")["num_samples"] == held
+    assert_the_trainers_read_every_sample(run, 41 - held)
 
 
 def test_changing_a_later_stage_reruns_only_that_stage(tiny_model: Path, server: ScriptedServer,

@@ -116,6 +116,8 @@ def test_a_run_on_a_ray_cluster_writes_the_local_runners_bytes_and_loads_the_tar
     assert len(expected) > 4 * 4, "every stage of every shard"
     assert sorted(got) == sorted(expected)
     assert [name for name in expected if got[name] != expected[name]] == [], "byte-identical to the local runner"
+    held_out = [name for name in got if name.endswith("index.json") and b'"split": "holdout"' in got[name]]
+    assert held_out, "the held-out split is among what both runners wrote alike"
 
     workers = [json.loads(path.read_text()) for path in sorted((tmp_path / "ray").glob("hidden_states/*/worker.json"))]
     assert len(workers) == 4
