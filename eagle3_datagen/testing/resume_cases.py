@@ -4,9 +4,10 @@ one clean run, and the property it must leave behind.
 A case is drawn from a seed alone. Each attempt runs the real command in its own process against a scripted
 server (`sign_settings`: every answer names the temperature and max_tokens it was asked under) and may be
 SIGKILLed after some requests or seconds; before an attempt the dataset may gain rows at the top, lose rows, or be
-cut into other shard sizes, and the sampling settings may change. After the last, clean attempt, either every
-prompt of the final dataset is answered exactly once, under the final settings, in its own shard, with `verify`
-clean and nothing rejected, or the run was refused with one line and lost nothing already written.
+cut into other shard sizes, and the sampling settings or the held-out share may change. After the last, clean
+attempt, either every prompt of the final dataset is answered exactly once, under the final settings, in its own
+shard, in the split the final held-out share chooses, with `verify` clean and nothing rejected, or the run was
+refused with one line and lost nothing already written.
 """
 
 from __future__ import annotations
@@ -26,9 +27,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import yaml
 
 from eagle3_datagen.artifacts import prompt_id_of
+from eagle3_datagen.config import DataConfig
+from eagle3_datagen.holdout import HoldoutChooser
+from eagle3_datagen.modes import DEFAULT_MODE
 from eagle3_datagen.testing.processes import as_from_a_terminal
 from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, signed_settings
 
@@ -50,6 +55,7 @@ class Attempt:
     fault_after: int  # requests answered before the fault starts
     kill_after_requests: int | None = None  # SIGKILL once the server has seen this many requests
     kill_after_s: float | None = None  # or this long after the start (the imports, the prompt stage, ...)
+    holdout: float = 0.01  # data.holdout: which prompts are held out follows the final share
 
     @property
     def settings(self) -> str:
@@ -82,7 +88,7 @@ def draw_case(seed: int, max_attempts: int = 4) -> Case:
     rng = random.Random(seed)
     rows = tuple(rng.sample(range(QUESTIONS // 2), rng.randint(8, 20)))
     fresh = iter(range(QUESTIONS // 2, QUESTIONS))
-    shard_size, temperature, max_tokens = rng.choice((4, 6, 10, 25)), 0.7, 64
+    shard_size, temperature, max_tokens, holdout = rng.choice((4, 6, 10, 25)), 0.7, 64, 0.01
     attempts = []
     for number in range(rng.randint(2, max_attempts)):
         if number:
@@ -95,11 +101,14 @@ def draw_case(seed: int, max_attempts: int = 4) -> Case:
                 shard_size = rng.choice((4, 6, 10, 25))
             if rng.random() < 0.08:
                 temperature, max_tokens = rng.choice(((0.7, 64), (0.6, 64), (0.7, 48)))
+            if rng.random() < 0.2:
+                holdout = rng.choice((0.0, 0.01, 0.3))
         attempts.append(Attempt(rows, shard_size, temperature, max_tokens, rng.choice(FAULTS),
                                 fault_after=rng.randint(0, len(rows)),
                                 kill_after_requests=rng.randint(0, len(rows)) if rng.random() < 0.5 else None,
-                                kill_after_s=round(rng.uniform(0.5, 12.0), 2) if rng.random() < 0.4 else None))
-    attempts[-1] = Attempt(rows, shard_size, temperature, max_tokens, "none", 0)
+                                kill_after_s=round(rng.uniform(0.5, 12.0), 2) if rng.random() < 0.4 else None,
+                                holdout=holdout))
+    attempts[-1] = Attempt(rows, shard_size, temperature, max_tokens, "none", 0, holdout=holdout)
     return Case(seed, tuple(attempts))
 
 
@@ -115,7 +124,7 @@ def _config(attempt: Attempt, folder: Path, url: str, model: Path, model_name: s
                                for r in attempt.rows))
     tree = {
         "run_name": RUN_NAME, "output_uri": str(folder / "runs"),
-        "data": {"source": str(dataset), "shard_size": attempt.shard_size},
+        "data": {"source": str(dataset), "shard_size": attempt.shard_size, "holdout": attempt.holdout},
         "model": {"name": model_name, "profile": "qwen3", "tokenizer": str(model)},
         "server": {"endpoints": [url], "max_in_flight": 4, "startup_timeout_s": 5, "give_up_after_s": 3,
                    "max_retries": 2},
@@ -235,10 +244,23 @@ def _final_violations(attempt: Attempt, run: Path, verified: int) -> list[str]:
         violations.append(f"{len(twice)} prompts answered more than once, e.g. {twice[0]!r}")
     if extra := set(answered) - wanted:
         violations.append(f"{len(extra)} answers to prompts no longer in the dataset")
+    if stale := _stale_splits(attempt, run, shard_of):
+        violations.append(f"{len(stale)} samples kept another split than the final data.holdout's, e.g. {stale[0]}")
     rejected = [line for f in (run / "rejected").glob("*.jsonl") for line in f.read_text().splitlines()]
     if rejected:
         violations.append(f"{len(rejected)} rejected entries, e.g. {rejected[0][:200]}")
     return violations
+
+
+def _stale_splits(attempt: Attempt, run: Path, shard_of: dict[str, str]) -> list[str]:
+    """Samples whose held-out split is not the one the final dataset and data.holdout choose."""
+    chooser = HoldoutChooser(attempt.holdout, DataConfig.model_fields["holdout_min_per_mode"].default)
+    for prompt in shard_of:
+        chooser.add(prompt, DEFAULT_MODE)
+    split = chooser.split()
+    rows = [row for path in sorted((run / "sequences").glob("shard-*.parquet"))
+            for row in pq.read_table(path, columns=["id", "split"]).to_pylist()]
+    return [row["id"] for row in rows if row["split"] != split.split_of(prompt_id_of(row["id"]), DEFAULT_MODE)]
 
 
 def run_case(case: Case, folder: Path, model: Path, model_name: str, tokenizer: Any, env: dict[str, str],

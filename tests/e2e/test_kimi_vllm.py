@@ -255,9 +255,16 @@ def test_kimi_tool_calls_come_back_parsed_exact_and_paired_with_the_recorded_res
         assert_rebuild_explained(row, record["prompt_token_ids"], record["completion_token_ids"])
     calls_rebuilt = [row for row in sequences if by_id[row["id"]].get("tool_calls") and row["agrees"] is True]
     assert calls_rebuilt, "a call's text rebuild, markup rendered as the template does, equals the server's ids"
-    assert export_run(str(run), "speculators")["num_samples"] == len(records)
-    assert export_run(str(run), "specforge")["num_samples"] == len(records)
-    assert_the_trainers_read_every_sample(run, len(records))
+    for row in sequences:  # what evaluate breaks its figures down by
+        record = by_id[row["id"]]
+        assert (row["turn"], row["has_tool_call"]) == (record["turn"], bool(record.get("tool_calls")))
+    held = [row for row in sequences if row["split"] == "holdout"]
+    held_conversations = {prompt_id_of(row["id"]) for row in held}
+    assert len(held_conversations) == 3, "12 conversations: a quarter held out (the minimum per mode, capped)"
+    assert len(held) == sum(len(conversations[c]) for c in held_conversations), "each held out whole"
+    assert export_run(str(run), "speculators")["num_samples"] == len(records) - len(held)
+    assert export_run(str(run), "specforge")["num_samples"] == len(records) - len(held)
+    assert_the_trainers_read_every_sample(run, len(records) - len(held))
 
 
 def recorded_results(row: dict[str, Any]) -> list[list[tuple[str, str]]]:
