@@ -14,7 +14,7 @@ Every draft is judged by `evaluate` on the same held-out split: other conversati
 both modes. Printed per draft and mode: the expected acceptance length τ with its 95 % interval, and acc@1..3.
 A measurement, not a test: it reports what it shows.
 
-    .venv/bin/python benchmarks/draft_data_mix.py [--train 160] [--eval 48] [--steps 300]
+    .venv/bin/python benchmarks/draft_data_mix.py [--train 160] [--eval 48] [--steps 300] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -122,13 +122,16 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=160, help="training conversations (two turns each)")
     parser.add_argument("--eval", type=int, default=48, help="held-out conversations, regenerated in both modes")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per draft (256 tokens each)")
+    parser.add_argument("--keep", type=Path, help="write the runs and drafts here and keep them (default: a "
+                        "temporary folder, removed)")
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     os.environ.setdefault("EAGLE3_TRAINERS", str(Path(__file__).resolve().parents[1] / "build" / "trainers"))
     model = tiny_model_dir()
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="eagle3-draft-mix-", dir=os.environ.get("TMPDIR")) as tmp:
-        out = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="eagle3-draft-mix-") as tmp:
+        out = args.keep or Path(tmp)
+        out.mkdir(parents=True, exist_ok=True)
         train = write_jsonl(out / "train.jsonl", conversations(args.train, seed=1))
         held = write_jsonl(out / "eval.jsonl", conversations(args.eval, seed=2))
         runs: dict[str, Path] = {}

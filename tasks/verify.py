@@ -49,6 +49,7 @@ from eagle3_datagen.hidden_state_format import (
     FINAL_NORM_FILE,
     HiddenStatesError,
     check_format,
+    part_split,
     read_final_norm,
     read_hidden_state_shard,
 )
@@ -430,7 +431,11 @@ def _shard_contents(store: RunStore, layout: RunLayout, found: ShardFindings) ->
     sequences = artifact_path("sequences", index)
     if not store.exists(sequences):
         return found.mark_missing(sequences, len(generated))
-    seq_ids = pq.read_table(io.BytesIO(store.read_bytes(sequences)), columns=["id"]).column("id").to_pylist()
+    sequences_data = store.read_bytes(sequences)
+    with_split = "split" in pq.read_schema(io.BytesIO(sequences_data)).names
+    table = pq.read_table(io.BytesIO(sequences_data), columns=["id", "split"] if with_split else ["id"])
+    seq_ids = table.column("id").to_pylist()
+    splits = dict(zip(seq_ids, table.column("split").to_pylist(), strict=True)) if with_split else {}
     _check_once("sequences", name, seq_ids, problems)
     seq_rejected = _ids_of_jsonl(store, rejected_path("sequences", index))
     found.rejected += len({prompt_id_of(i) for i in seq_rejected} - {prompt_id_of(i) for i in seq_ids})
@@ -449,9 +454,18 @@ def _shard_contents(store: RunStore, layout: RunLayout, found: ShardFindings) ->
             return found
         if sorted(final_ids) != sorted(seq_ids):
             problems.append(f"{name} hidden_states: samples differ from the sequences")
+        elif astray := _in_another_split(store.read_json(index_rel), splits):
+            problems.append(f"{name} hidden_states: {len(astray)} samples are in parts of another split than their "
+                            f"sequences say (e.g. {astray[0]}): run hidden_states again")
     found.accepted += len({prompt_id_of(i) for i in final_ids})
     found.samples += len(final_ids)
     return found
+
+
+def _in_another_split(index: dict[str, Any], splits: dict[str, str]) -> list[str]:
+    """Samples whose part is of another split than their sequence: held out, yet where training reads."""
+    return [sample for sample, (part, _row) in index["samples"].items()
+            if part_split(index["parts"][part]) != splits.get(sample, "train")]
 
 
 def _transcript_problems(name: str, prompts: list[dict[str, Any]], records: list[dict[str, Any]],

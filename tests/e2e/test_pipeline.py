@@ -130,6 +130,22 @@ def test_verify_checks_the_structure_without_reading_data_and_deep_reads_every_b
     assert f"problem: shard-00001 hidden_states: hidden_states/shard-00001/{part.name} does not match its " \
            "checksum in hidden_states/shard-00001/index.json: re-run hidden_states" in out
 
+    flipped[-1] ^= 0xFF
+    part.write_bytes(bytes(flipped))  # as it was
+    index_rel = next(path for path in sorted(run.glob("hidden_states/*/index.json"))
+                     if '"split": "holdout"' in path.read_text())
+    written = index_rel.read_text()
+    index = json.loads(written)
+    for entry in index["parts"]:
+        entry.pop("split", None)  # held-out samples left where training reads
+    index_rel.write_text(json.dumps(index))
+    assert main(["verify", "--deep", str(run)]) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"problem: {index_rel.parent.name} hidden_states: \d+ samples are in parts of another "
+                     r"split than their sequences say", out), out
+    index_rel.write_text(written)
+    flipped[-1] ^= 0xFF
+
     part.write_bytes(bytes(flipped[:-100]))
     (run / "sequences" / "shard-00000.parquet").write_bytes(b"replaced")
     assert main(["verify", str(run)]) == 1

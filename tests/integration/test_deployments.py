@@ -137,7 +137,7 @@ def _final_state(env: dict[str, str], flow_run_id: str, timeout_s: float = 420) 
 def test_deployments_and_schedule_are_registered(prefect_env: dict[str, str]) -> None:
     deployments = {d["name"]: d for d in _api(prefect_env, "POST", "/deployments/filter", json={})}
     assert set(deployments) == {"pipeline", "nightly", "pipeline-ray", "generation-only", "extract-only",
-                                "rerun-failed", "export"}
+                                "rerun-failed", "export", "evaluate"}
     schedule = deployments["nightly"]["schedules"][0]
     assert schedule["schedule"]["cron"] == "0 2 * * *" and schedule["active"] is False
     schema = deployments["pipeline"]["parameter_openapi_schema"]
