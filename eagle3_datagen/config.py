@@ -73,11 +73,11 @@ class DataConfig(_Section):
     holdout: float = Field(
         default=0.01, ge=0, lt=1, description="Share of prompts held out to judge drafts on (`evaluate`): generated "
         "and extracted like the rest, written as their own split, left out of exports and training by default. "
-        "Chosen by a salted hash of the prompt id; a conversation is held out whole.",
+        "Chosen by a salted hash of the prompt id; a conversation is held out whole. 0 holds out nothing.",
     )
     holdout_min_per_mode: NonNegativeInt = Field(
         default=20, description="At least this many held-out prompts per thinking mode (never more than a quarter "
-        "of a mode's prompts), so every mode can be judged.",
+        "of a mode's prompts), so every mode can be judged; with data.holdout 0, none.",
     )
 
 

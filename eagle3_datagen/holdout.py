@@ -4,8 +4,8 @@ A prompt is held out when a salted hash of its id falls under its mode's cut. Th
 of the mode draw (a hash of the same id), and a rollout's samples share their conversation's id, so a conversation
 is held out whole. The prompt stage, which sees every id, sets each mode's cut: `data.holdout`, raised so a mode
 keeps at least `data.holdout_min_per_mode` held-out prompts (never more than a quarter of that mode's prompts,
-so a small run still trains on most of its data). The cuts are recorded with the run, so the split is the same in
-every re-run and on every machine.
+so a small run still trains on most of its data); `data.holdout: 0` holds out nothing. The cuts are recorded
+with the run, so the split is the same in every re-run and on every machine.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class HoldoutChooser:
         cuts: dict[str, float] = {}
         held: dict[str, int] = {}
         for mode, count in sorted(self.counts.items()):
-            wanted = min(self.min_per_mode, math.floor(count * MINIMUM_AT_MOST))
+            wanted = min(self.min_per_mode, math.floor(count * MINIMUM_AT_MOST)) if self.share else 0
             if self.under_share[mode] >= wanted:
                 cuts[mode], held[mode] = self.share, self.under_share[mode]
             else:

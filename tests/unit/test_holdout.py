@@ -48,6 +48,12 @@ def test_a_rare_mode_keeps_its_minimum_and_a_small_run_keeps_three_quarters_for_
     assert len(held_out(few, small)) == sum(few.prompts.values()) <= 3  # a quarter of each mode at most
 
 
+def test_a_share_of_zero_holds_out_nothing_whatever_the_minimum() -> None:
+    ids = [f"prompt-{i}" for i in range(400)]
+    split = choose(ids, share=0.0, minimum=20)
+    assert not held_out(split, ids) and sum(split.prompts.values()) == 0
+
+
 def test_the_split_is_the_same_for_the_same_prompts_in_any_order() -> None:
     ids = [f"prompt-{i}" for i in range(3_000)]
     first, second = choose(ids, 0.01, 20), choose(list(reversed(ids)), 0.01, 20)
