@@ -10,6 +10,7 @@ Writes RUN/evaluations/DRAFT/ (evaluation.json, evaluation.md, acceptance.png) a
 
 from __future__ import annotations
 
+import base64
 import io
 import posixpath
 import re
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
+import torch
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
@@ -54,7 +56,7 @@ class NothingToEvaluate(UserError):
     """The run has no finished held-out samples to judge a draft on."""
 
 
-def run_target(store: RunStore, indexes: list[dict[str, Any]]) -> RunTarget:
+def run_target(indexes: list[dict[str, Any]]) -> RunTarget:
     """The target the run's hidden states come from; its vocabulary is read from its config."""
     from transformers import AutoConfig
 
@@ -99,9 +101,9 @@ def held_out_samples(store: RunStore, indexes: list[tuple[int, dict[str, Any]]]
     """Each held-out sample's row of the sequences stage (mode, turn, source, tool call) and its states."""
     for number, index in indexes:
         index_rel = artifact_path("hidden_states", number)
-        table_data = pq.read_table(io.BytesIO(store.read_bytes(artifact_path("sequences", number))))
-        columns = [c for c in SEQUENCE_COLUMNS if c in table_data.column_names]
-        rows = {row["id"]: row for row in table_data.select(columns).to_pylist()}
+        data = store.read_bytes(artifact_path("sequences", number))
+        columns = [c for c in SEQUENCE_COLUMNS if c in pq.read_schema(io.BytesIO(data)).names]
+        rows = {row["id"]: row for row in pq.read_table(io.BytesIO(data), columns=columns).to_pylist()}
         ids = sample_ids_by_part(index)
         for part_number, part in enumerate(index["parts"]):
             if part_split(part) == "holdout":
@@ -124,7 +126,7 @@ def evaluate_draft(run_uri: str, draft: str, steps: int | None = None, device: s
     store = RunStore.at(run_uri)
     indexes = finished_indexes(store, run_uri)
     speculators()
-    target = run_target(store, [index for _, index in indexes])
+    target = run_target([index for _, index in indexes])
     model = load_draft(draft, target, device)
     steps = steps or trained_steps(draft_config(draft))
     total = sum(split_samples(index, "holdout") for _, index in indexes)
@@ -189,10 +191,6 @@ def write_evaluation(store: RunStore, summary: dict[str, Any], plot: bytes) -> N
 @task(name="evaluate-draft", task_run_name="evaluate-{draft}", cache_policy=NO_CACHE)
 def evaluate_draft_task(run: str, draft: str, steps: int | None = None) -> dict[str, Any]:
     """Prefect stage 8: the evaluation, and an artifact of it in the UI."""
-    import base64
-
-    import torch
-
     summary = evaluate_draft(run, draft, steps, "cuda" if torch.cuda.is_available() else "cpu")
     store = RunStore.at(run)
     plot = store.read_bytes(posixpath.join(EVALUATIONS, summary["name"], "acceptance.png"))
