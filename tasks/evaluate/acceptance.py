@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
@@ -32,6 +32,35 @@ class SampleScore:
     full: tuple[float, ...]  # targets right with every earlier step right (the trainer's full_acc_k_sum)
     counted: tuple[float, ...]  # supervised targets at step k (full_acc_k_total)
     alive: tuple[float, ...]  # drafts still alive entering step k (cond_acc_k_total)
+
+
+class GroupRow(TypedDict):
+    """One line of the table: a group's value (`all` for every sample), its counts and figures."""
+
+    group: str
+    value: str
+    samples: int
+    tokens: int  # supervised positions at the first step
+    full_acc: list[float]  # acc@k: positions whose first k + 1 drafted tokens are all accepted
+    cond_acc: list[float]  # the same, given the step before was accepted
+    acceptance_length: float  # τ = 1 + Σ acc@k
+    interval: list[float]  # τ's bootstrap interval at LEVEL
+
+
+class Evaluation(TypedDict):
+    """What `evaluate` writes to evaluation.json and returns."""
+
+    run: str
+    draft: str
+    name: str  # its folder under RUN/evaluations/
+    target: str
+    steps: int
+    device: str
+    samples: int
+    seconds: float
+    acceptance_length: float
+    full_acc: list[float]
+    rows: list[GroupRow]
 
 
 GROUPS: dict[str, Callable[[SampleScore], str]] = {
@@ -70,7 +99,7 @@ def interval(scores: Sequence[SampleScore], seed: int = 0) -> tuple[float, float
     return float(low), float(high)
 
 
-def summary_row(group: str, value: str, scores: Sequence[SampleScore]) -> dict[str, Any]:
+def summary_row(group: str, value: str, scores: Sequence[SampleScore]) -> GroupRow:
     figures = pooled(scores)
     low, high = interval(scores)
     return {
@@ -85,7 +114,7 @@ def summary_row(group: str, value: str, scores: Sequence[SampleScore]) -> dict[s
     }
 
 
-def breakdown(scores: Sequence[SampleScore]) -> list[dict[str, Any]]:
+def breakdown(scores: Sequence[SampleScore]) -> list[GroupRow]:
     """All samples, then each group's values in order: one row each."""
     rows = [summary_row("all", "all", scores)]
     for group, key in GROUPS.items():
@@ -94,7 +123,7 @@ def breakdown(scores: Sequence[SampleScore]) -> list[dict[str, Any]]:
     return rows
 
 
-def table(rows: Sequence[dict[str, Any]]) -> list[str]:
+def table(rows: Sequence[GroupRow]) -> list[str]:
     """The breakdown as a markdown table: acc@k is the share of positions accepting at least k tokens."""
     steps = len(rows[0]["full_acc"]) if rows else 0
     head = ["group", "value", "samples", "tokens", *(f"acc@{k + 1}" for k in range(steps)), "τ", f"{LEVEL:.0%} CI"]

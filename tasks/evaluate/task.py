@@ -36,6 +36,7 @@ from eagle3_datagen.artifacts import (
 )
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.hidden_state_format import (
+    Sample,
     check_format,
     part_split,
     read_part_samples,
@@ -46,7 +47,7 @@ from eagle3_datagen.plotting import png, pyplot
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.trainers import speculators
 from eagle3_datagen.training_reader import speculators_sample
-from tasks.evaluate.acceptance import SampleScore, breakdown, table
+from tasks.evaluate.acceptance import Evaluation, GroupRow, SampleScore, breakdown, table
 from tasks.evaluate.draft import RunTarget, draft_config, load_draft, score, trained_steps
 
 SEQUENCE_COLUMNS = ("id", "mode", "turn", "source", "has_tool_call")
@@ -97,7 +98,7 @@ def finished_indexes(store: RunStore, run_uri: str) -> list[tuple[int, dict[str,
 
 
 def held_out_samples(store: RunStore, indexes: list[tuple[int, dict[str, Any]]]
-                     ) -> Iterator[tuple[dict[str, Any], Any]]:
+                     ) -> Iterator[tuple[dict[str, Any], Sample]]:
     """Each held-out sample's row of the sequences stage (mode, turn, source, tool call) and its states."""
     for number, index in indexes:
         index_rel = artifact_path("hidden_states", number)
@@ -121,7 +122,7 @@ def draft_name(draft: str) -> str:
 
 
 def evaluate_draft(run_uri: str, draft: str, steps: int | None = None, device: str = "cpu",
-                   progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, Any]:
+                   progress: Callable[[int, int], None] = lambda done, total: None) -> Evaluation:
     """Judge `draft` on the run's held-out samples; write the evaluation and the report's section; its summary."""
     store = RunStore.at(run_uri)
     indexes = finished_indexes(store, run_uri)
@@ -141,15 +142,14 @@ def evaluate_draft(run_uri: str, draft: str, steps: int | None = None, device: s
         progress(len(scores), total)
     rows = breakdown(scores)
     name = draft_name(draft)
-    summary = {"run": store.uri, "draft": str(Path(draft).resolve()), "name": name, "steps": steps,
-               "device": device, "samples": len(scores), "seconds": round(time.monotonic() - started, 1),
-               "acceptance_length": rows[0]["acceptance_length"], "full_acc": rows[0]["full_acc"], "rows": rows,
-               "target": target.path}
+    summary = Evaluation(run=store.uri, draft=str(Path(draft).resolve()), name=name, target=target.path, steps=steps,
+                         device=device, samples=len(scores), seconds=round(time.monotonic() - started, 1),
+                         acceptance_length=rows[0]["acceptance_length"], full_acc=rows[0]["full_acc"], rows=rows)
     write_evaluation(store, summary, plot_acceptance(rows))
     return summary
 
 
-def plot_acceptance(rows: list[dict[str, Any]]) -> bytes:
+def plot_acceptance(rows: list[GroupRow]) -> bytes:
     """Share of positions accepting at least k tokens, per mode and over all held-out samples."""
     plt = pyplot()
     figure, axes = plt.subplots(figsize=(5, 3.2))
@@ -163,7 +163,7 @@ def plot_acceptance(rows: list[dict[str, Any]]) -> bytes:
     return png(figure)
 
 
-def evaluation_markdown(summary: dict[str, Any], plot: str) -> str:
+def evaluation_markdown(summary: Evaluation, plot: str) -> str:
     return "\n".join([
         f"### Draft {summary['name']}", "",
         f"{summary['samples']} held-out samples, {summary['steps']} drafted tokens per step, target "
@@ -172,7 +172,7 @@ def evaluation_markdown(summary: dict[str, Any], plot: str) -> str:
         *table(summary["rows"]), "", f"![acceptance of {summary['name']}]({plot})", ""])
 
 
-def write_evaluation(store: RunStore, summary: dict[str, Any], plot: bytes) -> None:
+def write_evaluation(store: RunStore, summary: Evaluation, plot: bytes) -> None:
     """The evaluation's folder, then the report's section listing every evaluation of the run."""
     folder = posixpath.join(EVALUATIONS, summary["name"])
     store.write_bytes(posixpath.join(folder, "acceptance.png"), plot)
