@@ -2,8 +2,8 @@
 validation runs it: the sample made into its batch by speculators' own collate and shift, then the draft's forward
 with its training-time test unrolled, whose metrics are the counts the trainer pools.
 
-On a CPU its default flex attention cannot run and its fused loss needs
-Triton: the draft runs with SDPA attention and the eager KL loss there, which give the same figures.
+On a CPU its default flex attention cannot run and its fused loss needs Triton: the draft runs with SDPA attention
+and the eager KL loss there, which give the same figures.
 """
 
 from __future__ import annotations
@@ -58,24 +58,26 @@ def check_draft(draft: str, target: RunTarget) -> dict[str, Any]:
                                ("vocabulary", layer.get("vocab_size"), target.vocab_size),
                                ("aux layers", aux, target.aux_layers)):
         if drafts is not None and drafts != runs:
-            raise DraftRefused(f"{draft} was built for another target: {what} {drafts}, where this run's target "
-                               f"({target.path}) has {runs}; judge it on a run of its own target")
+            raise another_target(draft, target, what, drafts, runs)
     return config
 
 
+def another_target(draft: str, target: RunTarget, what: str, drafts: Any, runs: Any) -> DraftRefused:
+    return DraftRefused(f"{draft} was built for another target: {what} {drafts}, where this run's target "
+                        f"({target.path}) has {runs}; judge it on a run of its own target")
+
+
 def load_draft(draft: str, target: RunTarget, device: str) -> Any:
-    """The draft on `device` in float32, its verifier's head and norm read from the run's target."""
-    check_draft(draft, target)
+    """The draft (checked with `check_draft` first) on `device` in float32, its verifier's head and norm read from
+    the run's target; aux layers the config left to the verifier's defaults are checked once resolved."""
     eagle3 = importlib.import_module("speculators.models.eagle3")
     config = eagle3.Eagle3DraftModel.config_class.from_pretrained(draft)
     config.speculators_config.verifier.name_or_path = target.path
     if device == "cpu":  # flex attention has no CPU kernel to run here; SDPA computes the same attention
         config.transformer_layer_config._attn_implementation = "sdpa"  # as speculators' own CLI sets it
     model = eagle3.Eagle3DraftModel.from_pretrained(draft, config=config)
-    if list(model.config.eagle_aux_hidden_state_layer_ids) != target.aux_layers:
-        raise DraftRefused(f"{draft} was built for another target: aux layers "
-                           f"{list(model.config.eagle_aux_hidden_state_layer_ids)}, where this run's target has "
-                           f"{target.aux_layers}; judge it on a run of its own target")
+    if (aux := list(model.config.eagle_aux_hidden_state_layer_ids)) != target.aux_layers:
+        raise another_target(draft, target, "aux layers", aux, target.aux_layers)
     return model.to(device=device, dtype=torch.float32).eval()
 
 

@@ -48,7 +48,7 @@ from eagle3_datagen.storage import RunStore
 from eagle3_datagen.trainers import speculators
 from eagle3_datagen.training_reader import speculators_sample
 from tasks.evaluate.acceptance import Evaluation, GroupRow, SampleScore, breakdown, table
-from tasks.evaluate.draft import RunTarget, draft_config, load_draft, score, trained_steps
+from tasks.evaluate.draft import RunTarget, check_draft, load_draft, score, trained_steps
 
 SEQUENCE_COLUMNS = ("id", "mode", "turn", "source", "has_tool_call")
 
@@ -128,8 +128,8 @@ def evaluate_draft(run_uri: str, draft: str, steps: int | None = None, device: s
     indexes = finished_indexes(store, run_uri)
     speculators()
     target = run_target([index for _, index in indexes])
+    steps = steps or trained_steps(check_draft(draft, target))
     model = load_draft(draft, target, device)
-    steps = steps or trained_steps(draft_config(draft))
     total = sum(split_samples(index, "holdout") for _, index in indexes)
     scores: list[SampleScore] = []
     started = time.monotonic()
