@@ -14,6 +14,7 @@ from pydantic import (
     ConfigDict,
     Field,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     SerializerFunctionWrapHandler,
     ValidationError,
@@ -55,6 +56,17 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", field_title_generator=form_title)
 
 
+class ImagesConfig(_Section):
+    max_bytes: PositiveInt = Field(default=20_000_000, description="An image over this many bytes rejects its row.")
+    max_pixels: PositiveInt = Field(
+        default=40_000_000, description="An image whose header declares more pixels (width x height) rejects its "
+        "row, before it is decoded."
+    )
+    fetch_timeout_s: PositiveFloat = Field(
+        default=5.0, description="How long an http(s) image URL may take to answer before its row is rejected."
+    )
+
+
 class DataConfig(_Section):
     source: str = Field(description="Hugging Face dataset id, or a local .jsonl/.json/.parquet file or folder.")
     split: str = Field(default="train", description="Dataset split to read.")
@@ -78,6 +90,10 @@ class DataConfig(_Section):
     holdout_min_per_mode: NonNegativeInt = Field(
         default=20, description="At least this many held-out prompts per thinking mode (never more than a quarter "
         "of a mode's prompts), so every mode can be judged; with data.holdout 0, none.",
+    )
+    images: ImagesConfig = Field(
+        default_factory=ImagesConfig, description="Image prompts (OpenAI image parts, `<image>` with an "
+        "image/images column): each image is checked and stored once in the run, named by its sha256."
     )
 
 

@@ -66,6 +66,8 @@ def _default(field: FieldInfo) -> str:
     if field.is_required():
         return "required"
     value = field.default_factory() if field.default_factory else field.default
+    if isinstance(value, BaseModel):
+        return "its keys' defaults"
     return f"`{value}`" if isinstance(value, str) else f"`{json.dumps(value)}`"
 
 

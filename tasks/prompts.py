@@ -31,11 +31,22 @@ from eagle3_datagen.artifacts import (
     shard_name,
 )
 from eagle3_datagen.caching import STAGE_CACHE
-from eagle3_datagen.config import DataConfig, PipelineConfig
+from eagle3_datagen.config import DataConfig, ImagesConfig, PipelineConfig
 from eagle3_datagen.conversations import user_turns
 from eagle3_datagen.errors import Eagle3Error, Log, UserError, retry_unless_user_error
 from eagle3_datagen.fingerprints import data_fingerprint
 from eagle3_datagen.holdout import HoldoutChooser
+from eagle3_datagen.images import (
+    IMAGE_TEXT_PLACEHOLDER,
+    ImageLimits,
+    ImageReader,
+    ImageRejected,
+    checked_image,
+    image_name,
+    image_part,
+    image_path,
+    is_image_part,
+)
 from eagle3_datagen.modes import DEFAULT_MODE, ModeWeight, assign_mode
 from eagle3_datagen.storage import RunLocation, RunStore, marker_path
 
@@ -58,6 +69,7 @@ _ROLES = {
 _SHAREGPT = ("conversations", "from", "value")
 _OPENAI = ("messages", "role", "content")
 _FORMS = {"sharegpt": (_SHAREGPT,), "openai": (_OPENAI,), "auto": (_SHAREGPT, _OPENAI)}
+_IMAGE_COLUMNS = ("images", "image")  # LLaVA-Instruct's `image`, ShareGPT4V's and Parquet datasets' `images`
 
 
 # Hermes function calling (NousResearch): calls, results and the offered tools as tagged blocks in the text
@@ -127,6 +139,16 @@ def _jsonl_rows(files: list[str]) -> Iterator[dict[str, Any] | UnreadableRow]:
                 yield row if isinstance(row, dict) else UnreadableRow(f"{where} is not a JSON object")
 
 
+def dataset_folder(source: str) -> Path:
+    """Where a row's relative image paths start: the dataset file's folder, the dataset folder, else here."""
+    local = Path(source).expanduser()
+    return local.parent if local.is_file() else local if local.is_dir() else Path.cwd()
+
+
+def image_limits(images: ImagesConfig) -> ImageLimits:
+    return ImageLimits(images.max_bytes, images.max_pixels, images.fetch_timeout_s)
+
+
 def _local_files(path: Path) -> tuple[str, list[str]]:
     """The datasets builder and the files of a local source: one file, or every data file under a folder."""
     if path.is_file():
@@ -173,9 +195,16 @@ def normalize_conversation(row: dict[str, Any], fmt: PromptFormat = "auto") -> l
             messages.append({"role": "assistant", "content": "", "tool_calls": calls})
             continue
         text = turn.get(text_key)
+        if isinstance(text, list):
+            text = content_parts(text, i)
         if role == "assistant" and turn.get("tool_calls"):
             calls = _openai_calls(turn["tool_calls"], i)
             text = text or ""
+        if isinstance(text, list):
+            if role != "user":
+                raise RowRejected(f"turn {i} ({role}) shows images; only user turns may")
+            messages.append({"role": role, "content": text})
+            continue
         if not isinstance(text, str):
             raise RowRejected(f"turn {i} {text_key} is {type(text).__name__}, not a string")
         if not _is_valid_utf8(text):
@@ -197,7 +226,95 @@ def normalize_conversation(row: dict[str, Any], fmt: PromptFormat = "auto") -> l
             messages.append({"role": role, "content": text})
     if not any(message["role"] == "user" for message in messages):
         raise RowRejected("no user turn")
+    return _with_row_images(messages, row)
+
+
+def content_parts(parts: list[Any], turn: int) -> list[dict[str, Any]] | str:
+    """An OpenAI content list: text parts, and image parts with their reference as the row gives it (stored by
+    `StoredImages`). A list of text parts only is the text vLLM makes of it (joined by newlines)."""
+    read: list[dict[str, Any]] = []
+    for part in parts:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            read.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            url = part["image_url"].get("url") if isinstance(part.get("image_url"), dict) else part.get("image_url")
+            read.append(image_part(url))
+        elif kind == "image":
+            read.append(image_part(part.get("image", part.get("url"))))
+        else:
+            raise RowRejected(f"turn {turn} has a content part of type {kind!r}; expected text, image_url or image")
+    if not any(is_image_part(part) for part in read):
+        return "\n".join(part["text"] for part in read)
+    if not all(_is_valid_utf8(part["text"]) for part in read if part["type"] == "text"):
+        raise RowRejected("text is not valid UTF-8")
+    return read
+
+
+def _with_row_images(messages: list[dict[str, Any]], row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row's `image`/`images` column placed where its turns show an image without a reference: an `<image>` in
+    the text (LLaVA, ShareGPT4V) or an `{"type": "image"}` part (TRL's and Parquet datasets' rows). With no such
+    place, the images open the first user turn, as LLaVA's loader places them."""
+    column = next((name for name in _IMAGE_COLUMNS if row.get(name) not in (None, [], "")), None)
+    if column is None:
+        return messages
+    images = row[column] if isinstance(row[column], list) else [row[column]]
+    messages = [{**message, "content": _split_marks(message["content"])} for message in messages]
+    places = [part for message in messages if isinstance(message["content"], list) for part in message["content"]
+              if is_image_part(part) and part["image"] is None]
+    if not places:
+        first = next(i for i, message in enumerate(messages) if message["role"] == "user")
+        opening = [image_part(None) for _ in images]
+        content = messages[first]["content"]
+        messages[first] = {**messages[first], "content": opening + (
+            content if isinstance(content, list) else [{"type": "text", "text": content}])}
+        places = opening
+    if len(places) != len(images):
+        raise RowRejected(f"the turns show {len(places)} images but the {column} column holds {len(images)}")
+    if any(message["role"] != "user" and isinstance(message["content"], list) for message in messages):
+        raise RowRejected("an image is placed in a turn other than a user's; only user turns may show images")
+    for place, image in zip(places, images, strict=True):
+        place["image"] = image
     return messages
+
+
+def _split_marks(content: Any) -> Any:
+    """Text with `<image>` marks as content parts, each mark an image part still without its reference."""
+    if not isinstance(content, str) or IMAGE_TEXT_PLACEHOLDER not in content:
+        return content
+    texts = content.split(IMAGE_TEXT_PLACEHOLDER)
+    parts = [image_part(None) if k % 2 else {"type": "text", "text": texts[k // 2]} for k in range(2 * len(texts) - 1)]
+    return [part for part in parts if part["type"] == "image" or part["text"]]
+
+
+class StoredImages:
+    """The prompt stage's images: each read once, checked, and written to the run under its content's name."""
+
+    def __init__(self, store: RunStore, reader: ImageReader) -> None:
+        self.store = store
+        self.reader = reader
+        self.written: set[str] = set()
+
+    def stored(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The messages with each image part naming its stored image; RowRejected for an unusable image."""
+        if not any(isinstance(message["content"], list) for message in messages):
+            return messages
+        return [{**message, "content": [self._part(part) for part in message["content"]]}
+                if isinstance(message["content"], list) else message for message in messages]
+
+    def _part(self, part: dict[str, Any]) -> dict[str, Any]:
+        if not is_image_part(part):
+            return part
+        try:
+            data = self.reader.read(part["image"])
+            name = image_name(data, checked_image(data, self.reader.limits))
+        except ImageRejected as why:
+            raise RowRejected(str(why)) from None
+        if name not in self.written:
+            if not self.store.exists(image_path(name)):
+                self.store.write_bytes(image_path(name), data)
+            self.written.add(name)
+        return image_part(name)
 
 
 def normalize_messages(row: dict[str, Any], fmt: PromptFormat = "auto") -> list[dict[str, Any]]:
@@ -443,6 +560,7 @@ def write_prompt_shards(
     turns: str = "each",
     holdout: HoldoutChooser | None = None,
     mode_of: Callable[[str], str] = lambda _: DEFAULT_MODE,
+    images: ImageReader | None = None,
 ) -> PromptLoadResult:
     """Normalize rows in input order, write accepted prompts as shards of `shard_size`, log every rejection.
 
@@ -452,6 +570,8 @@ def write_prompt_shards(
     conversation (`turns` user turns), asked turn by turn on the target's own answers by generation.
 
     `holdout` sees every prompt id with its mode (`mode_of`) to choose the held-out prompts (none without it).
+    `images` reads the rows' images (default: paths relative to the working directory, the default limits); each
+    is stored in the run once, and a row whose image cannot be used is rejected with the reason.
 
     Raises DataSourceError when the first readable row has no prompt column (a wrong dataset, not bad rows) and when no
     row at all was accepted.
@@ -461,6 +581,7 @@ def write_prompt_shards(
     rejections: list[dict[str, Any]] = []
     first_row_of = SeenIds()
     holdout = holdout or HoldoutChooser(share=0.0, min_per_mode=0)
+    stored = StoredImages(store, images or ImageReader(Path.cwd(), image_limits(ImagesConfig())))
     read = accepted = 0
     checked = False
     for index, row in enumerate(rows):
@@ -471,7 +592,7 @@ def write_prompt_shards(
             if not checked:
                 _check_columns(row, fmt, source)
                 checked = True
-            conversation = normalize_conversation(row, fmt)
+            conversation = stored.stored(normalize_conversation(row, fmt))
             tools = row_tools(row)
         except RowRejected as why:
             rejections.append({"row": index, "stage": "prompts", "reason": str(why)})
@@ -566,7 +687,8 @@ def build_prompt_shards(data: DataConfig, store: RunStore, log: Log = logger,
     rows = load_rows(data.source, data.split, data.limit)
     result = write_prompt_shards(rows, store, data.shard_size, data.format, source=data.source, turns=data.turns,
                                  holdout=HoldoutChooser(data.holdout, data.holdout_min_per_mode),
-                                 mode_of=lambda pid: assign_mode(pid, modes) if modes else DEFAULT_MODE)
+                                 mode_of=lambda pid: assign_mode(pid, modes) if modes else DEFAULT_MODE,
+                                 images=ImageReader(dataset_folder(data.source), image_limits(data.images)))
     if retired := retire_shards_beyond(store, len(result.shards)):
         log.warning("removed %d files and folders of %s and later shards, made for an earlier shard layout: their "
                     "prompts are in other shards now", len(retired), shard_name(len(result.shards)))

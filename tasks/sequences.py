@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from prefect import task
 from transformers import PreTrainedTokenizerBase
@@ -32,6 +33,7 @@ from eagle3_datagen.caching import STAGE_CACHE, OutputMadeFrom
 from eagle3_datagen.config import PipelineConfig, SequencesConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.holdout import NO_HOLDOUT, HoldoutSplit, Split
+from eagle3_datagen.images import image_names
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunLocation, marker_path
 from eagle3_datagen.think_tokens import (
@@ -55,6 +57,7 @@ SCHEMA = pa.schema([
     ("split", pa.string()),
     ("turn", pa.int32()),
     ("has_tool_call", pa.bool_()),
+    ("images", pa.list_(pa.string())),  # written only where a shard holds image prompts
 ])
 
 
@@ -77,6 +80,7 @@ class Sequence:
     split: Split = "train"  # held out (data.holdout) or not
     turn: int = 0  # a rollout's turn
     has_tool_call: bool = False  # the answer calls a tool
+    images: tuple[str, ...] = ()  # the stored images its prompt shows, in order (their tokens are in input_ids)
 
 
 @dataclass
@@ -182,6 +186,8 @@ def cross_checked(prompt: str, rate: float) -> bool:
 
 
 def _needs_text(record: GenerationRecord, settings: SequencesConfig) -> bool:
+    if image_names(record["messages"]):
+        return False  # a text rebuild cannot know how many tokens the server expanded each image to
     has_ids = record.get("prompt_token_ids") is not None and record.get("completion_token_ids") is not None
     if not has_ids:
         return settings.source != "server"
@@ -239,6 +245,12 @@ def build_sequences(
         if settings.source == "server" and not has_ids:
             shard.reject(record["id"], "the server returned no token ids (sequences.source: server)")
             continue
+        images = tuple(image_names(record["messages"]))
+        if images and (not has_ids or settings.source == "text"):
+            shard.reject(record["id"], "an image prompt is exact only in the server's own token ids (a text rebuild "
+                                       "cannot count the tokens each image expanded to): serve with token ids and "
+                                       "sequences.source auto or server")
+            continue
         text_prompt, text_completion = text[i] or ([], [])
         compared = has_ids and text[i] is not None
         diff = first_difference(server_prompt + server_completion, text_prompt + text_completion) if compared \
@@ -270,7 +282,7 @@ def build_sequences(
             ids, mask = ids[: settings.max_seq_len], mask[: settings.max_seq_len]
         split = holdout.split_of(prompt_id_of(record["id"]), mode)
         shard.sequences.append(Sequence(record["id"], ids, mask, source, agrees, diff, mode, split,
-                                        record.get("turn", 0), bool(record.get("tool_calls"))))
+                                        record.get("turn", 0), bool(record.get("tool_calls")), images))
     return shard
 
 
@@ -288,14 +300,19 @@ def to_table(sequences: list[Sequence]) -> pa.Table:
             "split": [s.split for s in sequences],
             "turn": [s.turn for s in sequences],
             "has_tool_call": [s.has_tool_call for s in sequences],
+            "images": [list(s.images) for s in sequences],
         },
         schema=SCHEMA,
     )
 
 
 def to_parquet(tables: list[pa.Table]) -> bytes:
+    """The shard's file; a shard without image prompts has no `images` column, as before image prompts were read."""
+    table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
+    if not any(pc.list_value_length(table.column("images")).to_pylist()):
+        table = table.drop_columns(["images"])
     buffer = io.BytesIO()
-    pq.write_table(pa.concat_tables(tables) if tables else SCHEMA.empty_table(), buffer)
+    pq.write_table(table, buffer)
     return buffer.getvalue()
 
 

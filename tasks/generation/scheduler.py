@@ -28,6 +28,7 @@ from eagle3_datagen.artifacts import MANIFEST, ShardRef
 from eagle3_datagen.config import ServerConfig, ValidationConfig
 from eagle3_datagen.conversations import answer_of
 from eagle3_datagen.errors import Log
+from eagle3_datagen.images import as_sent, image_names
 from eagle3_datagen.profiles import ModeSpec
 from eagle3_datagen.protocol import Completion, OpenAIClient, RequestFailed, api_key, build_chat_request
 from eagle3_datagen.storage import RunStore
@@ -443,7 +444,10 @@ class GenerationScheduler:
         elsewhere: that refusal is not the prompt's, and costs it no try.
         """
         settings = self.settings
-        body = build_chat_request(settings.model, prompt.messages, self._mode_specs[prompt.mode], settings.generation,
+        messages = prompt.messages
+        if image_names(messages):  # read from the run's storage off the event loop
+            messages = await asyncio.to_thread(as_sent, messages, self.store.read_bytes)
+        body = build_chat_request(settings.model, messages, self._mode_specs[prompt.mode], settings.generation,
                                   seed=prompt.seed, tools=prompt.tools)
         attempt = 0
         while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -9,7 +10,8 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from PIL import Image
+from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText
 
 from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import HiddenStatesConfig
@@ -23,6 +25,7 @@ from eagle3_datagen.hidden_state_format import (
     final_rms_norm,
     quantize_fp8,
 )
+from eagle3_datagen.images import image_path, name_matches
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.batching import plan_batches
 from tasks.hidden_states.parts import TokenSequence, write_shard
@@ -35,6 +38,7 @@ class TargetModel(TargetInfo):
 
     base: torch.nn.Module
     dtype: torch.dtype
+    model: torch.nn.Module | None = None  # the whole vision-language model: what reads an image sample's pixels
 
 _LOAD_LOCK = threading.Lock()
 _loads = [0]
@@ -61,8 +65,11 @@ def fresh_target_model(path: str, dtype: str, device_map: str, trust_remote_code
     # "cpu" is where from_pretrained loads anyway; any device_map at all would make accelerate a requirement.
     placement = {} if device_map == "cpu" else {"device_map": device_map}
     with remote_code_named(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
-                                                     **placement).eval()
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        multimodal = getattr(config, "vision_config", None) is not None
+        loader = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+        model = loader.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+                                       **placement).eval()
     base = decoder_stack(model, path)
     config = model.config.get_text_config()
     eps = getattr(base.norm, "variance_epsilon", getattr(base.norm, "eps", None))
@@ -78,6 +85,7 @@ def fresh_target_model(path: str, dtype: str, device_map: str, trust_remote_code
         fingerprint=fingerprint(path),
         norm_weight=base.norm.weight.detach().to("cpu", copy=True),
         norm_eps=float(eps),
+        model=model if multimodal else None,
     )
 
 
@@ -103,7 +111,7 @@ _FORWARD_LOCK = threading.Lock()
 
 def capture_batch(
     target: TargetModel, aux_layers: Sequence[int], sequences: Sequence[torch.Tensor],
-    ids: Sequence[str] | None = None, fp8: bool = False,
+    ids: Sequence[str] | None = None, fp8: bool = False, pixels: dict[str, torch.Tensor] | None = None,
 ) -> list[tuple[torch.Tensor | Fp8States, torch.Tensor | Fp8States]]:
     """One forward pass over a right-padded batch; per sequence (aux [t, 3H], final [t, H]) on CPU, unpadded.
 
@@ -135,7 +143,12 @@ def capture_batch(
         handles.append(base.norm.register_forward_hook(lambda module, args, output: normed.append(output)))
         try:
             with torch.inference_mode():
-                base(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+                if pixels is None:
+                    base(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+                else:
+                    assert target.model is not None and len(sequences) == 1
+                    target.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                                 use_cache=False, **{k: v.to(device) for k, v in pixels.items()})
         finally:
             for handle in handles:
                 handle.remove()
@@ -174,17 +187,45 @@ def _check_final_norm(before: torch.Tensor, after: torch.Tensor, weight: torch.T
             "the after-norm export; this model needs its own norm there"
         ) from None
 
+def image_inputs(store: RunStore, target: TargetModel, seq: TokenSequence) -> dict[str, torch.Tensor]:
+    """The target's own image processor over a sample's stored images (each checked against its name): the pixel
+    inputs its forward takes beside the server's ids (pixel_values, and e.g. a grid or a pixel mask)."""
+    if target.model is None:
+        raise HiddenStatesError(f"sample {seq.id!r} shows images but {target.path} is not a vision-language model")
+    pictures = []
+    for name in seq.images:
+        data = store.read_bytes(image_path(name))
+        if not name_matches(name, data):
+            raise HiddenStatesError(f"{image_path(name)} no longer hashes to its name: the stored image was changed")
+        with Image.open(io.BytesIO(data)) as image:
+            pictures.append(image.convert("RGB"))
+    processed = _image_processor(target.path)(images=[pictures], return_tensors="pt")
+    return {key: value for key, value in processed.items() if isinstance(value, torch.Tensor)}
+
+
+@lru_cache(maxsize=1)
+def _image_processor(path: str) -> Any:
+    return AutoImageProcessor.from_pretrained(path)
+
+
 def extract_shard(
     store: RunStore, sequences_ref: ShardRef, target: TargetModel, settings: HiddenStatesConfig
 ) -> dict[str, Any]:
     """Stage 6 for one shard with the transformers backend, without Prefect; returns the index."""
 
+    fp8 = settings.compression == "fp8"
+
     def samples(sequences: list[TokenSequence], aux_layers: list[int]) -> Generator[Sample, None, None]:
-        for batch in plan_batches([len(seq.input_ids) for seq in sequences], settings.max_tokens_per_batch):
-            states = capture_batch(target, aux_layers, [sequences[i].input_ids for i in batch],
-                                   [sequences[i].id for i in batch], fp8=settings.compression == "fp8")
+        texts = [seq for seq in sequences if not seq.images]
+        for batch in plan_batches([len(seq.input_ids) for seq in texts], settings.max_tokens_per_batch):
+            states = capture_batch(target, aux_layers, [texts[i].input_ids for i in batch],
+                                   [texts[i].id for i in batch], fp8=fp8)
             for i, (aux, final) in zip(batch, states, strict=True):
-                seq = sequences[i]
+                yield Sample(texts[i].id, texts[i].input_ids, texts[i].loss_mask, aux, final)
+        for seq in sequences:  # one at a time: each brings its own images
+            if seq.images:
+                (aux, final), = capture_batch(target, aux_layers, [seq.input_ids], [seq.id], fp8=fp8,
+                                              pixels=image_inputs(store, target, seq))
                 yield Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final)
 
     return write_shard(store, sequences_ref, target, settings, samples)

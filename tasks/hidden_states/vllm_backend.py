@@ -123,6 +123,10 @@ def extract_shard_vllm(
     with httpx.Client(base_url=str(settings.endpoint), timeout=settings.request_timeout_s, limits=limits) as client:
 
         def samples(sequences: list[TokenSequence], aux_layers: list[int]) -> Generator[Sample, None, None]:
+            if shown := next((seq for seq in sequences if seq.images), None):
+                raise HiddenStatesError(
+                    f"sample {shown.id!r} shows images, which the vllm backend does not send yet: use "
+                    "hidden_states.backend: transformers for image prompts")
             return served_samples(client, sequences, target, aux_layers, settings)
 
         return write_shard(store, sequences_ref, target, settings, samples)
