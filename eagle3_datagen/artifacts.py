@@ -189,6 +189,8 @@ class PromptLoadResult:
     accepted: int
     rejected: int
     holdout: HoldoutSplit = NO_HOLDOUT
+    images: int = 0  # distinct images stored in the run
+    image_prompts: int = 0  # prompts that show at least one
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,11 @@ class ModelProfile(BaseModel):
     single_token_tags: bool = Field(
         default=True, description="False for formats whose reasoning markers are several tokens (gpt-oss harmony)."
     )
+    image_token: str | None = Field(
+        default=None, description="The token a vision-language server repeats for each image's pixels (Kimi-K2.5 "
+        "`<|media_pad|>`, Qwen-VL `<|image_pad|>`, Idefics3 and SmolVLM `<image>`): image prompts need it, to "
+        "find each image's positions in the server's ids.",
+    )
 
     @model_validator(mode="after")
     def _modes_in_one_place(self) -> ModelProfile:
@@ -59,11 +64,14 @@ class ModelProfile(BaseModel):
         return self
 
     @model_serializer(mode="wrap")
-    def _without_empty_modes(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Leaves an unset `modes` out of the dump: fingerprints recorded without the field stay valid."""
+    def _without_unset_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Leaves an unset `modes` and `image_token` out of the dump: fingerprints recorded without them stay
+        valid."""
         dumped: dict[str, Any] = handler(self)
         if not self.modes:
             dumped.pop("modes", None)
+        if self.image_token is None:
+            dumped.pop("image_token", None)
         return dumped
 
     @property
@@ -104,6 +112,7 @@ BUILTIN_PROFILES: dict[str, ModelProfile] = {
         chat_template_kwargs={"thinking": True},
         thinking_off_kwargs={"thinking": False},
         template_writes_start_tag=True,
+        image_token="<|media_pad|>",
         **_THINK_TAGS_IM_END,
     ),
     "kimi-k2-thinking": ModelProfile(
@@ -121,6 +130,12 @@ BUILTIN_PROFILES: dict[str, ModelProfile] = {
     "qwen3-thinking-2507": ModelProfile(
         reasoning_parser="qwen3",
         template_writes_start_tag=True,
+        **_THINK_TAGS_IM_END,
+    ),
+    "qwen3-vl-thinking": ModelProfile(
+        reasoning_parser="qwen3",
+        template_writes_start_tag=True,
+        image_token="<|image_pad|>",
         **_THINK_TAGS_IM_END,
     ),
     "deepseek-r1": ModelProfile(

@@ -29,7 +29,7 @@ from tasks.generation import (
 )
 from tasks.health import ServerCheck, check_servers
 from tasks.hidden_states import ExtractionSettings, extract_hidden_states
-from tasks.prompts import PromptSettings, load_prompts
+from tasks.prompts import PromptSettings, check_image_prompts, load_prompts
 from tasks.run.lifecycle import (
     finish_run,
     record_run_end,
@@ -75,6 +75,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     job = GenerationJob.from_config(config)
     refuse_other_settings(job.settings, run=run)  # before the prompt stage re-cuts any shard
     prompts = load_prompts(PromptSettings.from_config(config), run=run)
+    check_image_prompts(prompts, profile=config.profile, backend=config.hidden_states.backend)
 
     # Each stage takes only what changes its output, in one settings object: its inputs are its cache key, so
     # anything more would redo it when an unrelated setting changes.

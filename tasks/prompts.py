@@ -43,11 +43,13 @@ from eagle3_datagen.images import (
     ImageRejected,
     checked_image,
     image_name,
+    image_names,
     image_part,
     image_path,
     is_image_part,
 )
 from eagle3_datagen.modes import DEFAULT_MODE, ModeWeight, assign_mode
+from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunLocation, RunStore, marker_path
 
 logger = logging.getLogger(__name__)
@@ -582,7 +584,7 @@ def write_prompt_shards(
     first_row_of = SeenIds()
     holdout = holdout or HoldoutChooser(share=0.0, min_per_mode=0)
     stored = StoredImages(store, images or ImageReader(Path.cwd(), image_limits(ImagesConfig())))
-    read = accepted = 0
+    read = accepted = image_prompts = 0
     checked = False
     for index, row in enumerate(rows):
         read += 1
@@ -616,6 +618,7 @@ def write_prompt_shards(
             holdout.add(pid, mode_of(pid))
             where = {"turns": user_turns(messages)} if turns == "rollout" else {"turn": turn}
             offered = {"tools": tools} if tools else {}
+            image_prompts += bool(image_names(messages))
             batch.append({"id": pid, "messages": messages, "row": index, **where, **offered})
             if len(batch) == shard_size:
                 shards.append(store.write_shard("prompts", len(shards), batch))
@@ -626,14 +629,16 @@ def write_prompt_shards(
     split = holdout.split()
     store.write_json(PROMPTS_SUMMARY, {"rows": read, "accepted_rows": accepted, "rejected_rows": len(rejections),
                                        "prompts": len(first_row_of), "shards": len(shards),
-                                       "holdout": split.model_dump()})
+                                       "holdout": split.model_dump(),
+                                       **({"images": len(stored.written), "image_prompts": image_prompts}
+                                          if stored.written else {})})
     written = {ref.path for ref in shards}
     for stale in store.list("prompts", ".jsonl"):  # left by an earlier run that had more shards
         if stale not in written:
             store.remove(stale)
             store.remove(marker_path(stale))
 
-    result = PromptLoadResult(shards, read, accepted, len(rejections), split)
+    result = PromptLoadResult(shards, read, accepted, len(rejections), split, len(stored.written), image_prompts)
     assert result.rows == result.accepted + result.rejected
     assert sum(ref.num_records for ref in shards) == len(first_row_of)
     if not result.rows:
@@ -665,6 +670,24 @@ def _check_columns(row: dict[str, Any], fmt: PromptFormat, source: str) -> None:
         f"{source}: no prompt column; found columns [{', '.join(map(str, row))}], expected {expected} "
         f"(data.format: {fmt})"
     )
+
+
+class ImagePromptsUnsupported(UserError):
+    """The dataset shows images the run's settings cannot turn into exact samples."""
+
+
+def check_image_prompts(prompts: PromptLoadResult, profile: ModelProfile, backend: str) -> None:
+    """Before any request: image prompts need the profile's image token, and a backend that sends images."""
+    if not prompts.image_prompts:
+        return
+    if profile.image_token is None:
+        raise ImagePromptsUnsupported(
+            f"{prompts.image_prompts} prompts show images but the model profile names no image_token: set it in "
+            "the profile (e.g. `<|media_pad|>` for Kimi-K2.5, `<|image_pad|>` for Qwen-VL), or use a text dataset")
+    if backend == "vllm":
+        raise ImagePromptsUnsupported(
+            f"{prompts.image_prompts} prompts show images, which the vllm hidden-states backend does not send yet: "
+            "set hidden_states.backend: transformers")
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,10 @@ SCHEMA = pa.schema([
     ("split", pa.string()),
     ("turn", pa.int32()),
     ("has_tool_call", pa.bool_()),
-    ("images", pa.list_(pa.string())),  # written only where a shard holds image prompts
+    ("images", pa.list_(pa.string())),  # these two written only where a shard holds image prompts
+    ("image_spans", pa.list_(pa.list_(pa.int32()))),  # [start, end) of each run of image tokens
 ])
+_IMAGE_COLUMNS = ["images", "image_spans"]
 
 
 CHUNK_RECORDS = 64  # records built at once: large enough for batch tokenizing, small enough to stay flat
@@ -81,6 +83,7 @@ class Sequence:
     turn: int = 0  # a rollout's turn
     has_tool_call: bool = False  # the answer calls a tool
     images: tuple[str, ...] = ()  # the stored images its prompt shows, in order (their tokens are in input_ids)
+    image_spans: tuple[tuple[int, int], ...] = ()  # where the server's ids hold image tokens: [start, end) runs
 
 
 @dataclass
@@ -251,6 +254,11 @@ def build_sequences(
                                        "cannot count the tokens each image expanded to): serve with token ids and "
                                        "sequences.source auto or server")
             continue
+        spans = token_runs(server_prompt, image_token_id(tokenizer, profile)) if images else ()
+        if images and len(spans) < len(images):
+            shard.reject(record["id"], f"the server's prompt ids hold {len(spans)} runs of the image token "
+                                       f"{profile.image_token!r} for {len(images)} images: is it the model's?")
+            continue
         text_prompt, text_completion = text[i] or ([], [])
         compared = has_ids and text[i] is not None
         diff = first_difference(server_prompt + server_completion, text_prompt + text_completion) if compared \
@@ -282,8 +290,32 @@ def build_sequences(
             ids, mask = ids[: settings.max_seq_len], mask[: settings.max_seq_len]
         split = holdout.split_of(prompt_id_of(record["id"]), mode)
         shard.sequences.append(Sequence(record["id"], ids, mask, source, agrees, diff, mode, split,
-                                        record.get("turn", 0), bool(record.get("tool_calls")), images))
+                                        record.get("turn", 0), bool(record.get("tool_calls")), images,
+                                        tuple(span for span in spans if span[1] <= len(ids))))
     return shard
+
+
+def image_token_id(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile) -> int:
+    """The id of the profile's image token in the target's tokenizer (checked by `check_image_prompts` to be set)."""
+    token_id = tokenizer.convert_tokens_to_ids(profile.image_token) if profile.image_token else None
+    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+        raise UserError(f"the profile's image_token {profile.image_token!r} is not a token of the tokenizer: set the "
+                        "model's own (e.g. <|media_pad|> for Kimi-K2.5, <|image_pad|> for Qwen-VL)")
+    return token_id
+
+
+def token_runs(ids: list[int], token: int) -> tuple[tuple[int, int], ...]:
+    """[start, end) of each run of `token` in `ids`: where a server expanded an image's placeholder (one run per
+    image, or per tile where the model cuts an image into tiles)."""
+    runs: list[tuple[int, int]] = []
+    for position, value in enumerate(ids):
+        if value != token:
+            continue
+        if runs and runs[-1][1] == position:
+            runs[-1] = (runs[-1][0], position + 1)
+        else:
+            runs.append((position, position + 1))
+    return tuple(runs)
 
 
 def to_table(sequences: list[Sequence]) -> pa.Table:
@@ -301,6 +333,7 @@ def to_table(sequences: list[Sequence]) -> pa.Table:
             "turn": [s.turn for s in sequences],
             "has_tool_call": [s.has_tool_call for s in sequences],
             "images": [list(s.images) for s in sequences],
+            "image_spans": [[list(span) for span in s.image_spans] for s in sequences],
         },
         schema=SCHEMA,
     )
@@ -310,7 +343,7 @@ def to_parquet(tables: list[pa.Table]) -> bytes:
     """The shard's file; a shard without image prompts has no `images` column, as before image prompts were read."""
     table = pa.concat_tables(tables) if tables else SCHEMA.empty_table()
     if not any(pc.list_value_length(table.column("images")).to_pylist()):
-        table = table.drop_columns(["images"])
+        table = table.drop_columns(_IMAGE_COLUMNS)
     buffer = io.BytesIO()
     pq.write_table(table, buffer)
     return buffer.getvalue()

@@ -64,7 +64,7 @@ class GenerationSettings:
     def fingerprint(self) -> str:
         payload = {
             "model": self.model,
-            "profile": self.profile.model_dump(),
+            "profile": self.profile.model_dump(exclude={"image_token"}),  # read by sequences, never sent
             "generation": self.generation.model_dump(),
             "prompt_source": self.prompt_source,
         }

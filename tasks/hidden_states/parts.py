@@ -9,7 +9,7 @@ import json
 import posixpath
 from collections.abc import Callable, Generator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -45,24 +45,27 @@ class TokenSequence:
     mode: str | None = None  # the mode its prompt was asked in; None in sequences without a mode column
     split: Split = "train"  # held out, or not (sequences without a split column hold no held-out samples)
     images: tuple[str, ...] = ()  # the stored images the sample's image tokens stand for, in order
+    image_spans: list[list[int]] = field(default_factory=list)  # [start, end) of each run of image tokens
 
 def read_sequences(store: RunStore, ref: ShardRef, vocab_size: int) -> list[TokenSequence]:
     """The sequences shard (checksum checked), and what would break a forward pass or the index (ids, lengths,
     vocab)."""
     rel = ref.path
     data = store.read_shard(ref)
-    optional = [name for name in ("mode", "split", "images") if name in pq.read_schema(io.BytesIO(data)).names]
+    optional = [name for name in ("mode", "split", "images", "image_spans")
+                if name in pq.read_schema(io.BytesIO(data)).names]
     table = pq.read_table(io.BytesIO(data), columns=["id", "input_ids", "loss_mask", *optional])
     ids = table.column("id").to_pylist()
     modes = table.column("mode").to_pylist() if "mode" in optional else [None] * len(ids)
     splits = table.column("split").to_pylist() if "split" in optional else ["train"] * len(ids)
     images = table.column("images").to_pylist() if "images" in optional else [()] * len(ids)
+    spans = table.column("image_spans").to_pylist() if "image_spans" in optional else [[]] * len(ids)
     input_ids = _list_column(table.column("input_ids"), torch.int32)
     loss_masks = _list_column(table.column("loss_mask"), torch.uint8)
     sequences: list[TokenSequence] = []
     seen: set[str] = set()
-    for sample_id, tokens, mask, mode, split, shown in zip(ids, input_ids, loss_masks, modes, splits, images,
-                                                           strict=True):
+    for sample_id, tokens, mask, mode, split, shown, where in zip(ids, input_ids, loss_masks, modes, splits, images,
+                                                                  spans, strict=True):
         if sample_id in seen:
             raise HiddenStatesError(f"{rel}: sample id {sample_id!r} appears twice")
         if len(tokens) == 0 or len(tokens) != len(mask):
@@ -73,7 +76,7 @@ def read_sequences(store: RunStore, ref: ShardRef, vocab_size: int) -> list[Toke
                 " (tokenized for another model?)"
             )
         seen.add(sample_id)
-        sequences.append(TokenSequence(sample_id, tokens, mask, mode, split, tuple(shown)))
+        sequences.append(TokenSequence(sample_id, tokens, mask, mode, split, tuple(shown), where))
     return sequences
 
 def _list_column(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -197,6 +200,7 @@ def write_shard(
         "parts": writer.parts,
         "samples": writer.rows,
         "sample_modes": {s.id: s.mode for s in sequences if s.id in writer.rows and s.mode is not None},
+        **({"image_spans": spans} if (spans := {s.id: s.image_spans for s in sequences if s.image_spans}) else {}),
     }
     store.write_json(artifact_path("hidden_states", shard_index), index)
     return index

@@ -17,10 +17,14 @@ from PIL import Image
 
 from eagle3_datagen.artifacts import REJECTED_PATH, sha256_hex
 from eagle3_datagen.config import DataConfig
+from eagle3_datagen.errors import UserError
 from eagle3_datagen.images import as_sent, image_names, image_path
+from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.vllm_server import free_port
+from eagle3_datagen.think_tokens import load_tokenizer
 from tasks.prompts import build_prompt_shards
+from tasks.sequences import image_token_id, token_runs
 
 
 def png(colour: str = "red", size: tuple[int, int] = (40, 30)) -> bytes:
@@ -97,7 +101,7 @@ def test_llava_image_marks_and_an_images_column_place_each_image_where_its_mark_
             {"images": ["red.png"], "conversations": [{"from": "human", "value": "<image> and <image>?"}]},
             {"images": ["red.png"],  # TRL's shape: an image part without a reference, the column holds it
              "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which?"}]}]}]
-    prompts, rejected, store = load(tmp_path, rows, turns="last")
+    prompts, rejected, _ = load(tmp_path, rows, turns="last")
 
     red, blue = (f"{sha256_hex(png(colour))}.png" for colour in ("red", "blue"))
     assert [p["messages"][0]["content"] for p in prompts] == [
@@ -165,3 +169,22 @@ def test_a_list_of_text_parts_is_the_text_vllm_makes_of_it(tmp_path: Path) -> No
     prompts, _, store = load(tmp_path, [user(text("Hello"), text("world"))])
     assert prompts[0]["messages"] == [{"role": "user", "content": "Hello\nworld"}]
     assert not store.exists("images")
+
+
+KIMI_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "tokenizers" / "kimi-k2.5"
+
+
+@pytest.mark.skipif(not KIMI_TOKENIZER.is_dir(), reason="../shared/tokenizers/kimi-k2.5 is absent")
+def test_the_kimi_profile_names_kimis_own_media_pad_token() -> None:
+    tokenizer = load_tokenizer(str(KIMI_TOKENIZER))
+    media = ["<|media_begin|>", "<|media_content|>", "<|media_end|>", "<|media_pad|>"]
+    assert tokenizer.convert_tokens_to_ids(media) == [163602, 163603, 163604, 163605]
+    assert image_token_id(tokenizer, BUILTIN_PROFILES["kimi-k2.5"]) == 163605
+    wrong = BUILTIN_PROFILES["kimi-k2.5"].model_copy(update={"image_token": "<|image_pad|>"})
+    with pytest.raises(UserError, match=r"image_token '<\|image_pad\|>' is not a token of the tokenizer"):
+        image_token_id(tokenizer, wrong)
+
+
+def test_token_runs_find_each_expanded_image() -> None:
+    assert token_runs([1, 9, 9, 2, 9, 3, 9, 9, 9], 9) == ((1, 3), (4, 5), (6, 9))
+    assert token_runs([1, 2], 9) == ()
