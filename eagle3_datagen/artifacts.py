@@ -191,6 +191,7 @@ class PromptLoadResult:
     holdout: HoldoutSplit = NO_HOLDOUT
     images: int = 0  # distinct images stored in the run
     image_prompts: int = 0  # prompts that show at least one
+    images_shown: int = 0  # images in all prompts, each time it is shown
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,9 @@ class RunTotals:
     conversations_answered_in_full: int | None = None
     samples_with_tool_calls: int | None = None
     fp8_fidelity: str | None = None  # shards stored in fp8: the worst cosines to the model-dtype states
+    images: int | None = None  # image prompts only: distinct images stored
+    images_per_image_prompt: float | None = None
+    image_tokens_per_image_sample: float | None = None  # as the server expanded them
 
     def as_manifest(self) -> dict[str, Any]:
         return {key: value for key, value in asdict(self).items() if value is not None}

@@ -584,7 +584,7 @@ def write_prompt_shards(
     first_row_of = SeenIds()
     holdout = holdout or HoldoutChooser(share=0.0, min_per_mode=0)
     stored = StoredImages(store, images or ImageReader(Path.cwd(), image_limits(ImagesConfig())))
-    read = accepted = image_prompts = 0
+    read = accepted = image_prompts = images_shown = 0
     checked = False
     for index, row in enumerate(rows):
         read += 1
@@ -618,7 +618,8 @@ def write_prompt_shards(
             holdout.add(pid, mode_of(pid))
             where = {"turns": user_turns(messages)} if turns == "rollout" else {"turn": turn}
             offered = {"tools": tools} if tools else {}
-            image_prompts += bool(image_names(messages))
+            shown = len(image_names(messages))
+            image_prompts, images_shown = image_prompts + bool(shown), images_shown + shown
             batch.append({"id": pid, "messages": messages, "row": index, **where, **offered})
             if len(batch) == shard_size:
                 shards.append(store.write_shard("prompts", len(shards), batch))
@@ -630,15 +631,16 @@ def write_prompt_shards(
     store.write_json(PROMPTS_SUMMARY, {"rows": read, "accepted_rows": accepted, "rejected_rows": len(rejections),
                                        "prompts": len(first_row_of), "shards": len(shards),
                                        "holdout": split.model_dump(),
-                                       **({"images": len(stored.written), "image_prompts": image_prompts}
-                                          if stored.written else {})})
+                                       **({"images": len(stored.written), "image_prompts": image_prompts,
+                                           "images_shown": images_shown} if stored.written else {})})
     written = {ref.path for ref in shards}
     for stale in store.list("prompts", ".jsonl"):  # left by an earlier run that had more shards
         if stale not in written:
             store.remove(stale)
             store.remove(marker_path(stale))
 
-    result = PromptLoadResult(shards, read, accepted, len(rejections), split, len(stored.written), image_prompts)
+    result = PromptLoadResult(shards, read, accepted, len(rejections), split, len(stored.written), image_prompts,
+                              images_shown)
     assert result.rows == result.accepted + result.rejected
     assert sum(ref.num_records for ref in shards) == len(first_row_of)
     if not result.rows:

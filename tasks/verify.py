@@ -53,6 +53,7 @@ from eagle3_datagen.hidden_state_format import (
     read_final_norm,
     read_hidden_state_shard,
 )
+from eagle3_datagen.images import IMAGES_DIR, image_names, image_path, name_matches
 from eagle3_datagen.storage import RunLocation, RunStore, marker_path
 
 PROGRESS_EVERY_S = 5.0  # a deep check says how far it is this often
@@ -159,7 +160,7 @@ def start_verification(store: RunStore, deep: bool) -> tuple[Verification, RunLa
         result.missing.append(f"{PROMPTS_SUMMARY} (the prompt stage did not finish)")
         return result, None
     summary = store.read_json(PROMPTS_SUMMARY)
-    sizes = {rel: size for stage in ("prompts", *SHARD_STAGES) for rel, size in store.sizes(stage).items()}
+    sizes = {rel: size for stage in ("prompts", *SHARD_STAGES, IMAGES_DIR) for rel, size in store.sizes(stage).items()}
     shards = sorted(int(rel[len("prompts/shard-"):-len(".jsonl")]) for rel in sizes
                     if rel.startswith("prompts/shard-") and rel.endswith(".jsonl"))
     if shards != list(range(summary["shards"])):
@@ -170,6 +171,14 @@ def start_verification(store: RunStore, deep: bool) -> tuple[Verification, RunLa
     if strays:
         result.problems.append(f"{len(strays)} files of shards the prompts no longer have, e.g. {strays[0]}: a "
                                "folder read whole would hold their prompts twice (run the pipeline again)")
+    stored_images = [rel for rel in sizes if rel.startswith(f"{IMAGES_DIR}/")]
+    if len(stored_images) < summary.get("images", 0):
+        result.problems.append(f"{IMAGES_DIR}: {len(stored_images)} images in storage, {summary['images']} stored by "
+                               "the prompt stage (run the pipeline again)")
+    if deep:
+        changed = [rel for rel in stored_images if not name_matches(posixpath.basename(rel), store.read_bytes(rel))]
+        result.problems += [f"{rel} no longer hashes to its name: the image was changed after its prompts were made"
+                            for rel in changed]
     hidden = manifest.get("config", {}).get("hidden_states", {}).get("backend") != "none"
     return result, RunLayout(shards, manifest.get("shards", {}), hidden, sizes, summary)
 
@@ -401,6 +410,9 @@ def _shard_contents(store: RunStore, layout: RunLayout, found: ShardFindings) ->
     found.prompts = len(prompt_ids)
     found.rows = {prompt["row"] for prompt in prompts}
     _check_once("prompts", name, prompt_ids, problems)
+    problems += [f"{name} prompts: prompt {prompt['id']} shows {image_path(shown)}, which is not in storage"
+                 for prompt in prompts for shown in image_names(prompt["messages"]) if image_path(shown) not in
+                 layout.sizes]
     for stage in ("generations", "sequences", "hidden_states"):
         rel = artifact_path(stage, index)
         if recorded.get(stage, {}).get("sha256"):

@@ -38,7 +38,7 @@ from eagle3_datagen.storage import RunStore
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
 from tasks.run.plots import PLOT_FILES, run_plots
 from tasks.run.report import mode_rows, render_report, run_shortfall, shard_row, turn_rows, where_outputs_are
-from tasks.run.status import fp8_fidelity, shard_status
+from tasks.run.status import ShardStatus, fp8_fidelity, shard_status
 
 
 class RunFailed(UserError):
@@ -195,6 +195,7 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
         samples_with_tool_calls=sum(s.stage("generations").get("samples_with_tool_calls")
                                     for s in shards.values()) or None,
         fp8_fidelity=fp8_fidelity(shards),
+        **image_totals(prompts, shards),
     )
     for title, png in plots.items():
         store.write_bytes(PLOT_FILES[title], png)
@@ -219,6 +220,16 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
     if cause:
         raise RunFailed(cause)
     return {"run_uri": store.uri, "totals": totals.as_manifest(), "report": report}
+
+
+def image_totals(prompts: PromptLoadResult, shards: dict[str, ShardStatus]) -> dict[str, Any]:
+    """What a run of image prompts made of its images; nothing for a text run."""
+    if not prompts.image_prompts:
+        return {}
+    samples = sum(s.stage("sequences").get("image_samples") for s in shards.values())
+    tokens = sum(s.stage("sequences").get("image_tokens") for s in shards.values())
+    return {"images": prompts.images, "images_per_image_prompt": round(prompts.images_shown / prompts.image_prompts, 3),
+            "image_tokens_per_image_sample": round(tokens / samples, 1) if samples else None}
 
 
 def end_run(store: RunStore, status: str, cause: str | None, **fields: Any) -> None:

@@ -89,8 +89,10 @@ def _generations_summary(data: bytes, end_id: int, profile: ModelProfile) -> dic
 
 
 def _sequences_summary(data: bytes) -> dict[str, Any]:
-    with_mode = "mode" in pq.read_schema(io.BytesIO(data)).names
-    table = pq.read_table(io.BytesIO(data), columns=["id", "num_tokens", "agrees", *(["mode"] if with_mode else [])])
+    names = pq.read_schema(io.BytesIO(data)).names
+    with_mode, with_images = "mode" in names, "image_spans" in names
+    table = pq.read_table(io.BytesIO(data), columns=["id", "num_tokens", "agrees", *(["mode"] if with_mode else []),
+                                                     *(["image_spans"] if with_images else [])])
     agrees = [a for a in table.column("agrees").to_pylist() if a is not None]
     by_mode: dict[str, dict[str, int]] = {}
     if with_mode:
@@ -105,7 +107,14 @@ def _sequences_summary(data: bytes) -> dict[str, Any]:
         "cross_checked": len(agrees),  # samples with server ids also rebuilt from text (sequences.cross_check_rate)
         "text_rebuild_agreement": sum(agrees) / len(agrees) if agrees else None,
         "modes": by_mode,
+        **(_image_figures(table.column("image_spans").to_pylist()) if with_images else {}),
     }
+
+
+def _image_figures(spans: list[list[list[int]]]) -> dict[str, int]:
+    """Samples that show images, and the image tokens they hold (as the server expanded them)."""
+    return {"image_samples": sum(1 for runs in spans if runs),
+            "image_tokens": sum(end - start for runs in spans for start, end in runs)}
 
 
 def _rejected(store: RunStore, path: str, mode_of: Callable[[str], str]) -> dict[str, Any]:
