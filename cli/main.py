@@ -34,7 +34,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from cli.demo import run_demo
 
-    return _print_summary(run_demo(Path(args.output_uri)))
+    return _print_summary(run_demo(Path(args.output_uri), images=args.images))
 
 
 def cmd_rerun_failed(args: argparse.Namespace) -> int:
@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     demo = commands.add_parser("demo", help="run everything on the embedded tiny model and demo questions")
     demo.add_argument("--output-uri", default="runs", help="where the demo run is written (default ./runs)")
+    demo.add_argument("--images", action="store_true",
+                      help="the image variant: a tiny vision-language model asked about drawn shapes "
+                           "(runs/demo-images)")
     demo.set_defaults(func=cmd_demo)
     rerun = commands.add_parser("rerun-failed", help="run a run again from its manifest: only unfinished shards work")
     rerun.add_argument("run", help="the run folder, e.g. runs/demo or s3://bucket/prefix/run")

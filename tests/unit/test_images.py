@@ -5,14 +5,13 @@ from __future__ import annotations
 import base64
 import io
 import json
-import struct
-import zlib
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from bad_images import huge_png_header, png, truncated_png
 from PIL import Image
 
 from eagle3_datagen.artifacts import REJECTED_PATH, sha256_hex
@@ -25,20 +24,6 @@ from eagle3_datagen.testing.vllm_server import free_port
 from eagle3_datagen.think_tokens import load_tokenizer
 from tasks.prompts import build_prompt_shards
 from tasks.sequences import image_token_id, token_runs
-
-
-def png(colour: str = "red", size: tuple[int, int] = (40, 30)) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, colour).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def huge_png_header(width: int, height: int) -> bytes:
-    """A PNG whose header declares width x height pixels, with next to no data: a decompression bomb's shape."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
 
 
 def user(*parts: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +114,7 @@ def test_parquet_image_features_are_read_from_their_bytes(tmp_path: Path) -> Non
 
 def test_unusable_images_reject_their_row_with_the_reason_and_the_run_goes_on(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "truncated.png").write_bytes(png(size=(64, 64))[:60])
+    (tmp_path / "data" / "truncated.png").write_bytes(truncated_png())
     (tmp_path / "data" / "huge.png").write_bytes(huge_png_header(20_000, 20_000))
     (tmp_path / "data" / "wide.png").write_bytes(huge_png_header(10_000, 5_000))
     (tmp_path / "data" / "heavy.png").write_bytes(png(size=(300, 300)))
