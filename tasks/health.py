@@ -13,6 +13,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -113,13 +114,21 @@ class PromptLengths:
             for record in self._store.read_shard_records(ref):
                 total += 1
                 messages = record["messages"]
-                if sum(len(m["content"].encode()) + self._per_message for m in messages) <= room:
+                if sum(_text_bytes(m["content"]) + self._per_message for m in messages) <= room:
                     continue
                 text = render_generation_prompt(self._tokenizer, messages, self._profile)
                 tokens = len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
                 if tokens > room:
                     over, longest = over + 1, max(longest, tokens)
         return over, total, longest
+
+
+def _text_bytes(content: str | list[dict[str, Any]]) -> int:
+    """A message's text in bytes, an upper bound of its text's tokens. Only the server counts an image's tokens,
+    and it refuses the request of a prompt they make too long (rejected with the server's reason)."""
+    if isinstance(content, str):
+        return len(content.encode())
+    return sum(len(part["text"].encode()) for part in content if part["type"] == "text")
 
 
 def check_context_length(endpoint: str, max_model_len: int | None, max_tokens: int, lengths: PromptLengths,
