@@ -10,6 +10,9 @@ TINY_KIMI := $(if $(wildcard $(KIMI_TOKENIZER)/tokenizer.json),build/tiny-kimi)
 PIP_QUIET := --quiet --disable-pip-version-check
 export EAGLE3_VLLM_PYTHON := $(abspath $(VLLM_VENV))/bin/python
 export EAGLE3_TINY_MODEL := $(abspath $(TINY_MODEL))
+# A tiny vision-language model (Idefics3) on the tiny model's tokenizer, for the image-prompt tests and demo.
+TINY_VLM := build/tiny-vlm
+export EAGLE3_TINY_VLM := $(abspath $(TINY_VLM))
 export EAGLE3_TINY_KIMI := $(if $(TINY_KIMI),$(abspath $(TINY_KIMI)))
 # The trainers whose loaders read the exports in the tests, without their GPU-only dependencies (SpecForge pins
 # its own torch and sglang): their packages only, beside .venv, put on the path by the tests that use them.
@@ -17,7 +20,7 @@ TRAINERS := build/trainers
 export EAGLE3_TRAINERS := $(abspath $(TRAINERS))
 export TORCHINDUCTOR_CACHE_DIR := $(abspath build/torchinductor)
 
-.PHONY: setup test-services test-browser demo test test-fast test-seeds lint docs clean
+.PHONY: setup test-services test-browser demo demo-images test test-fast test-seeds lint docs clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,13 +47,18 @@ build/tiny-kimi/.built: $(VENV)/.installed eagle3_datagen/testing/tiny_model.py 
 	$(VENV)/bin/python -m eagle3_datagen.testing.tiny_model --out build/tiny-kimi --kimi-tokenizer $(KIMI_TOKENIZER)
 	touch $@
 
+$(TINY_VLM)/.built: $(VENV)/.installed eagle3_datagen/testing/tiny_vlm.py eagle3_datagen/testing/tiny_model.py \
+                    $(TINY_MODEL)/.built
+	$(VENV)/bin/python -m eagle3_datagen.testing.tiny_vlm --out $(TINY_VLM) --tokenizer $(TINY_MODEL)
+	touch $@
+
 $(TRAINERS)/.installed: $(VENV)/.installed
 	$(VENV)/bin/python -m pip install $(PIP_QUIET) --no-deps --target $(TRAINERS) specforge==0.2.0 \
 	  speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 2>&1 | grep -v "is ignored" || true
 	touch $@
 
 setup: $(VENV)/.installed $(VLLM_VENV)/.installed $(TINY_MODEL)/.built $(if $(TINY_KIMI),$(TINY_KIMI)/.built) \
-       $(TRAINERS)/.installed
+       $(TINY_VLM)/.built $(TRAINERS)/.installed
 
 # A real S3 server for the tests: Ceph's RADOS Gateway from Debian's packages (infra/ceph-rgw/start.sh).
 test-services:
@@ -68,6 +76,10 @@ test-browser:
 
 demo: setup
 	$(VENV)/bin/eagle3-datagen demo
+
+# The image variant: the tiny vision-language model on drawn shapes (runs/demo-images).
+demo-images: setup
+	$(VENV)/bin/eagle3-datagen demo --images
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -18,14 +18,23 @@ import argparse
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    ProcessorMixin,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.utils import logging as transformers_logging
 
 from eagle3_datagen.testing.tiny_tool_calls import TOOL_MARKUP_IDS, tool_call_rows
@@ -44,6 +53,12 @@ MARGIN_ROWS = 320  # the training rows the format margin is checked on: the demo
 TOOL_CONVERSATIONS = 160  # the Kimi model's tool-call conversations (each one to four training rows)
 TOOL_MARGIN_ROWS = 64  # and its tool-call rows the margin is checked on
 EXTRA_ROUNDS = 3  # gentler training rounds at most, while the format has no margin
+
+# A training row: (prompt ids, reply ids), and whatever else a model needs to read it (the tiny VLM: its pixels).
+Row = Sequence[Any]
+# How a model reads a chunk of rows: the logits where a reply token is predicted, and those tokens. The text models
+# read ids only (`text_reply_logits`); the tiny VLM (tiny_vlm.py) also feeds each row's image tiles.
+ReplyLogits = Callable[[PreTrainedModel, Sequence[Row], int], tuple[torch.Tensor, torch.Tensor]]
 
 # Qwen3's template without tools: reasoning is kept only on assistant turns after the last user message
 # (from `reasoning_content`, or split out of inline `<think>` content); every earlier assistant turn renders
@@ -265,7 +280,13 @@ def _train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
 def _batches(
     rows: list[tuple[list[int], list[int]]], batch_size: int, rng: random.Random, pad_id: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless shuffled batches of (input_ids, labels); labels are -100 outside the assistant's reply.
+    """Endless shuffled batches of (input_ids, labels); labels are -100 outside the assistant's reply."""
+    for chunk in _chunks(rows, batch_size, rng):
+        yield _pad(chunk, pad_id)
+
+
+def _chunks(rows: Sequence[Row], batch_size: int, rng: random.Random) -> Iterator[list[Row]]:
+    """Endless shuffled batches of rows, unpadded.
 
     Rows of similar length go together (sorted within windows of 8 batches): a third less padding to compute.
     """
@@ -278,15 +299,15 @@ def _batches(
             groups = [chunk[k : k + batch_size] for k in range(0, window, batch_size)]
             rng.shuffle(groups)
             for group in groups:
-                yield _pad([rows[i] for i in group], pad_id)
+                yield [rows[i] for i in group]
 
 
-def _pad(chunk: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad (prompt, reply) rows into input_ids and labels."""
-    width = max(len(prompt) + len(reply) for prompt, reply in chunk)
+def _pad(chunk: Sequence[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad (prompt, reply, ...) rows into input_ids and labels."""
+    width = max(len(prompt) + len(reply) for prompt, reply, *_ in chunk)
     ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
     labels = torch.full((len(chunk), width), -100, dtype=torch.long)
-    for row, (prompt, reply) in enumerate(chunk):
+    for row, (prompt, reply, *_) in enumerate(chunk):
         ids[row, : len(prompt) + len(reply)] = torch.tensor(prompt + reply)
         labels[row, len(prompt) : len(prompt) + len(reply)] = torch.tensor(reply)
     return ids, labels
@@ -350,12 +371,14 @@ def build_tiny_model(out_dir: Path, seed: int = 0, steps: int = 250, check_margi
     return _save(out_dir, model, tokenizer, [tokenizer.eos_token_id, tokenizer.pad_token_id], readme)
 
 
-def _save(out_dir: Path, model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, eos_ids: list[int],
-          readme: str) -> Path:
-    """Weights, tokenizer and a README; sampling defaults as the demo's (temperature 0.7, top-p 0.9)."""
+def _save(out_dir: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast | ProcessorMixin,
+          eos_ids: list[int], readme: str) -> Path:
+    """Weights, tokenizer (or a VLM's processor) and a README; sampling defaults as the demo's (temperature 0.7,
+    top-p 0.9)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    text_config = model.config.get_text_config()  # a VLM's ids are its text model's
     model.generation_config = GenerationConfig(
-        bos_token_id=model.config.bos_token_id, eos_token_id=eos_ids, pad_token_id=model.config.pad_token_id,
+        bos_token_id=text_config.bos_token_id, eos_token_id=eos_ids, pad_token_id=text_config.pad_token_id,
         do_sample=True, temperature=0.7, top_p=0.9,
     )
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -488,39 +511,49 @@ def _reply_loss(logits: torch.Tensor, targets: torch.Tensor, structural: torch.T
 
 
 def _train_with_margin(
-    model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random, pad_id: int, steps: int,
-    structural: list[int], margin_rows: list[tuple[list[int], list[int]]], unlikelihood_weight: float = 1.0,
-) -> Qwen3ForCausalLM:
+    model: PreTrainedModel, rows: Sequence[Row], rng: random.Random, pad_id: int, steps: int,
+    structural: list[int], margin_rows: Sequence[Row], unlikelihood_weight: float = 1.0,
+    reply_logits: ReplyLogits | None = None,
+) -> PreTrainedModel:
     """Train, then train on in shorter, gentler rounds while the format has no margin: float rounding differs from
     one CPU to another, and a machine whose rounding leaves a slip trains a little longer instead of failing."""
-    model = _train(model, rows, rng, pad_id, steps, structural, unlikelihood_weight=unlikelihood_weight)
+    model = _train(model, rows, rng, pad_id, steps, structural, unlikelihood_weight=unlikelihood_weight,
+                   reply_logits=reply_logits)
     for _ in range(EXTRA_ROUNDS):
-        if format_margin(model, margin_rows, structural, pad_id).holds:
+        if format_margin(model, margin_rows, structural, pad_id, reply_logits=reply_logits).holds:
             break
         model = _train(model, rows, rng, pad_id, max(steps // 4, 40), structural, peak_lr=2e-3,
-                       unlikelihood_weight=unlikelihood_weight)
+                       unlikelihood_weight=unlikelihood_weight, reply_logits=reply_logits)
     return model
 
 
+def text_reply_logits(model: PreTrainedModel, chunk: Sequence[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits where a reply token is predicted, and those tokens, for (prompt, reply) id rows."""
+    ids, labels = _pad(chunk, pad_id)
+    hidden = model.model(input_ids=ids).last_hidden_state  # right padding: causal attention never sees it
+    targets = labels[:, 1:]
+    predicted = targets != -100
+    return model.lm_head(hidden[:, :-1][predicted]), targets[predicted]
+
+
 def _train(
-    model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], rng: random.Random, pad_id: int, steps: int,
+    model: PreTrainedModel, rows: Sequence[Row], rng: random.Random, pad_id: int, steps: int,
     structural: list[int], batch_size: int = 32, peak_lr: float = 1e-2, unlikelihood_weight: float = 1.0,
-) -> Qwen3ForCausalLM:
+    reply_logits: ReplyLogits | None = None,
+) -> PreTrainedModel:
     """A short deterministic AdamW run on the replies only (the prompts are not the model's to learn)."""
+    reply_logits = reply_logits or text_reply_logits
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=0.0)
     # Warm up, then decay linearly to zero: the last steps settle the weights, which sharpens the format.
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: min((step + 1) / 20, (steps - step) / (steps - 20))
     )
     model.train()
-    batches = _batches(rows, batch_size=batch_size, rng=rng, pad_id=pad_id)
+    chunks = _chunks(rows, batch_size=batch_size, rng=rng)
     ends = torch.tensor(structural)
     for _ in range(steps):
-        ids, labels = next(batches)
-        hidden = model.model(input_ids=ids).last_hidden_state  # right padding: causal attention never sees it
-        targets = labels[:, 1:]
-        predicted = targets != -100
-        loss = _reply_loss(model.lm_head(hidden[:, :-1][predicted]), targets[predicted], ends, unlikelihood_weight)
+        logits, targets = reply_logits(model, next(chunks), pad_id)
+        loss = _reply_loss(logits, targets, ends, unlikelihood_weight)
         loss.backward()
         optimizer.step()
         schedule.step()
@@ -552,19 +585,17 @@ class FormatMargin:
                 f"nucleus, taught ones at least {self.weakest:.3f} (needs 0 and 0.95)")
 
 
-def format_margin(model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]]], structural: list[int],
-                  pad_id: int, temperature: float = 0.7, nucleus: float = 0.99) -> FormatMargin:
+def format_margin(model: PreTrainedModel, rows: Sequence[Row], structural: list[int], pad_id: int,
+                  temperature: float = 0.7, nucleus: float = 0.99,
+                  reply_logits: ReplyLogits | None = None) -> FormatMargin:
     """Teacher-forced on `rows`: where an end or think token could be sampled though the reply has none there."""
+    reply_logits = reply_logits or text_reply_logits
     ends = torch.tensor(structural)
     positions, slips, weakest = 0, 0, 1.0
     with torch.no_grad():
         for start in range(0, len(rows), 8):
-            ids, labels = _pad(rows[start : start + 8], pad_id)
-            hidden = model.model(input_ids=ids).last_hidden_state
-            targets = labels[:, 1:]
-            predicted = targets != -100
-            probs = torch.softmax(model.lm_head(hidden[:, :-1][predicted]).float() / temperature, dim=-1)
-            target = targets[predicted]
+            logits, target = reply_logits(model, rows[start : start + 8], pad_id)
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
             end_probs = probs[:, ends]
             misplaced = ends[None, :] != target[:, None]
             # A token is in the nucleus when the tokens more likely than it hold less than `nucleus`, so when those
@@ -575,7 +606,7 @@ def format_margin(model: Qwen3ForCausalLM, rows: list[tuple[list[int], list[int]
             slips += len(set(position[ahead < nucleus].tolist()))
             taught = end_probs[~misplaced]
             weakest = min(weakest, float(taught.min())) if taught.numel() else weakest
-            positions += int(predicted.sum())
+            positions += len(target)
     return FormatMargin(positions, slips, weakest)
 
 
