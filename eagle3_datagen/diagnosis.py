@@ -100,7 +100,7 @@ def reasoning_facts(completions: list[Completion], sequence_source: str = "auto"
     ids = all(c.completion_token_ids is not None for c in completions)
     reasoned = [c for c in completions if c.reasoning_source != "none"] or completions
     return {
-        "reasoning_field": reasoned[0].reasoning_source,
+        "reasoning_field": reasoned[0].reasoning_source if reasoned[0].reasoning_source != "none" else None,
         "token_ids_returned": ids,
         "sequence_source": "server" if ids and sequence_source != "text" else "text",
         "reasoning_chars": min(len(c.reasoning) for c in reasoned),

@@ -515,8 +515,9 @@ class GenerationScheduler:
         for endpoint, facts in findings.items():
             how = "the server's token ids" if facts["sequence_source"] == "server" else \
                 "text, each checked against the server's token counts"
-            self.log.info("probe: %s sends reasoning in `%s`; sequences are built from %s", endpoint,
-                          facts["reasoning_field"], how)
+            where = f"sends reasoning in `{facts['reasoning_field']}`" if facts["reasoning_field"] else \
+                "answered first in modes without reasoning"
+            self.log.info("probe: %s %s; sequences are built from %s", endpoint, where, how)
         if not findings or not self.store.exists(MANIFEST):
             return
         manifest = self.store.read_json(MANIFEST)

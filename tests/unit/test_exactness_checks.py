@@ -51,6 +51,12 @@ def test_a_server_without_token_ids_is_used_through_the_text_rebuild() -> None:
     assert reasoning_facts([_answer()], "text")["sequence_source"] == "text"
 
 
+def test_answers_of_modes_without_reasoning_say_nothing_of_where_reasoning_arrives() -> None:
+    instant = Completion("", "answer", "stop", "none", [1], [2], COUNTS, "m")
+    assert reasoning_facts([instant, instant])["reasoning_field"] is None
+    assert reasoning_facts([instant, _answer()])["reasoning_field"] == "reasoning_content"
+
+
 def test_a_server_without_token_ids_is_refused_only_when_its_ids_are_asked_for() -> None:
     with pytest.raises(ServerCheckFailed) as refused:
         check_form("http://sglang:30000", ["m"], _answer(ids=False), KIMI, allow_inline=False,
