@@ -32,6 +32,7 @@ MANIFEST = "manifest.json"
 # 2: `format_version` itself, and `totals` under machine keys (RunTotals); 1 (no key) had the report's labels
 MANIFEST_FORMAT = 2
 PROMPTS_SUMMARY = "prompts/summary.json"  # rows read, accepted and rejected by the prompt stage
+IMAGE_FILES = "prompts/image_files.json"  # the local image files the prompt stage read, as they were then
 REJECTED_PATH = "rejected/prompts.jsonl"  # input rows that gave no prompt, with their reasons
 TIMELINE = "generations/timeline.jsonl"  # generation's progress over time, for the report's latency plot
 REPORT = "report.md"

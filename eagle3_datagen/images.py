@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import posixpath
 import re
 import warnings
@@ -126,6 +127,7 @@ class ImageReader:
     def __init__(self, base: Path, limits: ImageLimits) -> None:
         self.base = base
         self.limits = limits
+        self.files_read: dict[str, list[int]] = {}  # local files by path: [size, mtime_ns] when read
 
     def read(self, ref: Any) -> bytes:
         if isinstance(ref, Image.Image):
@@ -151,9 +153,11 @@ class ImageReader:
 
     def _file(self, path: Path) -> bytes:
         try:
-            size = path.stat().st_size
-            self._within_bytes(size)
-            return path.read_bytes()
+            stat = path.stat()
+            self._within_bytes(stat.st_size)
+            data = path.read_bytes()
+            self.files_read[str(path.resolve())] = [stat.st_size, stat.st_mtime_ns]
+            return data
         except FileNotFoundError:
             raise ImageRejected(f"image file {path} does not exist") from None
         except (IsADirectoryError, PermissionError) as error:
@@ -186,6 +190,20 @@ class ImageReader:
     def _within_bytes(self, size: int) -> None:
         if size > self.limits.max_bytes:
             raise ImageRejected(f"image is over data.images.max_bytes {self.limits.max_bytes:,}")
+
+
+def files_fingerprint(files: dict[str, list[int]]) -> str:
+    """sha256 of each recorded local image file's size and modification time as they are now (a missing one as
+    such): what the prompt stage's cache follows beside the dataset's own bytes, so a picture redrawn in place is
+    read again."""
+    now = {}
+    for path in sorted(files):
+        try:
+            stat = Path(path).stat()
+            now[path] = [stat.st_size, stat.st_mtime_ns]
+        except OSError:
+            now[path] = None
+    return sha256_hex(json.dumps(now, sort_keys=True).encode())
 
 
 def _data_uri_bytes(uri: str) -> bytes:

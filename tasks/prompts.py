@@ -23,6 +23,7 @@ from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
 
 from eagle3_datagen.artifacts import (
+    IMAGE_FILES,
     PROMPTS_SUMMARY,
     REJECTED_PATH,
     PromptLoadResult,
@@ -42,6 +43,7 @@ from eagle3_datagen.images import (
     ImageReader,
     ImageRejected,
     checked_image,
+    files_fingerprint,
     image_name,
     image_names,
     image_part,
@@ -627,6 +629,10 @@ def write_prompt_shards(
     if batch:
         shards.append(store.write_shard("prompts", len(shards), batch))
     store.write_jsonl(REJECTED_PATH, rejections)
+    if stored.reader.files_read:
+        store.write_json(IMAGE_FILES, stored.reader.files_read)
+    else:
+        store.remove(IMAGE_FILES)
     split = holdout.split()
     store.write_json(PROMPTS_SUMMARY, {"rows": read, "accepted_rows": accepted, "rejected_rows": len(rejections),
                                        "prompts": len(first_row_of), "shards": len(shards),
@@ -695,15 +701,20 @@ def check_image_prompts(prompts: PromptLoadResult, profile: ModelProfile, backen
 @dataclass(frozen=True)
 class PromptSettings:
     """What the prompt stage's output depends on: the data section, the mode mix (which prompts of each mode are
-    held out) and the dataset's content fingerprint (a local file edited in place is read again)."""
+    held out), the dataset's content fingerprint (a local file edited in place is read again) and that of the local
+    image files the stage read last time (a picture redrawn in place is read again; URLs are read once)."""
 
     data: DataConfig
     modes: list[ModeWeight]
     source_fingerprint: str
+    image_files_fingerprint: str = ""  # "" where the stage read no local image file (a text dataset)
 
     @classmethod
     def from_config(cls, config: PipelineConfig) -> PromptSettings:
-        return cls(config.data, config.generation.mode_mix(config.profile), data_fingerprint(config.data.source))
+        store = RunStore(config.output_uri, config.run_name)
+        images = files_fingerprint(store.read_json(IMAGE_FILES)) if store.exists(IMAGE_FILES) else ""
+        return cls(config.data, config.generation.mode_mix(config.profile), data_fingerprint(config.data.source),
+                   images)
 
 
 def build_prompt_shards(data: DataConfig, store: RunStore, log: Log = logger,

@@ -8,6 +8,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -22,7 +23,7 @@ from cli.runner import run_pipeline
 from eagle3_datagen.hidden_state_format import read_hidden_state_shard
 from eagle3_datagen.images import image_names, image_path
 from eagle3_datagen.storage import RunStore
-from eagle3_datagen.testing.tiny_vlm import IMAGE_TOKEN, build_tiny_vlm, write_image_dataset
+from eagle3_datagen.testing.tiny_vlm import IMAGE_TOKEN, build_tiny_vlm, shape_image, write_image_dataset
 from eagle3_datagen.testing.vllm_server import LocalVLLMServer, free_port
 from tasks.export import export_run
 from tasks.verify import verify_run
@@ -151,3 +152,31 @@ def test_image_hidden_states_are_the_multimodal_forwards_and_the_trainers_read_t
             "the image positions carry the vision tower's features, not the placeholder's embedding"
     total = sum(json.loads(path.read_text())["num_samples"] for path in (run / "hidden_states").glob("*/index.json"))
     assert_the_trainers_read_every_sample(run, total)
+
+
+def test_a_redrawn_picture_is_a_new_prompt_and_every_other_answer_is_kept(
+        tiny_vlm: Path, vlm_server: LocalVLLMServer, tmp_path: Path) -> None:
+    """A prompt's id hashes its picture's bytes: a picture redrawn under the same path is asked as a new prompt,
+    its old answer dropped; the other answers are kept, not asked again."""
+    source = write_image_dataset(tmp_path / "data", 6)
+    config = image_demo_config(tiny_vlm, vlm_server.url, tmp_path / "out", source, run_name="redrawn")
+    run = tmp_path / "out" / "redrawn"
+
+    def answers() -> dict[str, dict[str, Any]]:
+        return {json.loads(line)["id"]: json.loads(line) for f in sorted((run / "generations").glob("shard-*.jsonl"))
+                for line in f.read_text().splitlines()}
+
+    run_pipeline(config)
+    before = answers()
+    redrawn = json.loads(source.read_text().splitlines()[2])["messages"][0]["content"][0]["image_url"]["url"]
+    shape_image("star", "green", 70, 90).save(source.parent / redrawn, format="PNG")
+    run_pipeline(config)
+    after = answers()
+
+    assert len(after) == len(before) == 6
+    [gone], [new] = sorted(set(before) - set(after)), sorted(set(after) - set(before))
+    assert image_names(before[gone]["messages"]) != image_names(after[new]["messages"])
+    assert all(after[key] == before[key] for key in set(before) & set(after))
+    second_log = sorted((run / "logs").glob("run-*.log"))[-1].read_text()
+    assert "generation done: 1 prompts" in second_log, "only the redrawn picture's prompt was asked"
+    assert verify_run(RunStore.at(str(run)), deep=True).complete
