@@ -15,6 +15,7 @@ import pytest
 import torch
 from bad_images import huge_png_header, truncated_png
 from PIL import Image
+from safetensors.torch import load_file
 from trainer_files import assert_the_trainers_read_every_sample
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -23,6 +24,7 @@ from cli.runner import run_pipeline
 from eagle3_datagen.hidden_state_format import read_hidden_state_shard
 from eagle3_datagen.images import image_names, image_path
 from eagle3_datagen.storage import RunStore
+from eagle3_datagen.testing.drafts import new_draft, train_draft
 from eagle3_datagen.testing.tiny_vlm import IMAGE_TOKEN, build_tiny_vlm, shape_image, write_image_dataset
 from eagle3_datagen.testing.vllm_server import LocalVLLMServer, free_port
 from tasks.export import export_run
@@ -152,6 +154,19 @@ def test_image_hidden_states_are_the_multimodal_forwards_and_the_trainers_read_t
             "the image positions carry the vision tower's features, not the placeholder's embedding"
     total = sum(json.loads(path.read_text())["num_samples"] for path in (run / "hidden_states").glob("*/index.json"))
     assert_the_trainers_read_every_sample(run, total)
+
+
+def test_speculators_trains_a_draft_on_the_image_export(image_run: tuple[Path, dict[str, str]], tiny_vlm: Path,
+                                                       tmp_path: Path) -> None:
+    """speculators' own Trainer takes optimizer steps on the image samples, on this CPU."""
+    run, _ = image_run
+    index = json.loads((run / "hidden_states" / "shard-00000" / "index.json").read_text())
+    draft = new_draft(str(tiny_vlm), index["aux_layers"]["input_to_layer"])
+    untrained = {name: tensor.clone() for name, tensor in draft.state_dict().items()}
+    checkpoint = train_draft(draft, run / "exports" / "speculators", tmp_path / "draft", max_steps=2)
+    trained = load_file(checkpoint / "model.safetensors")
+    assert all(torch.isfinite(tensor).all() for tensor in trained.values())
+    assert any(not torch.equal(trained[name], untrained[name]) for name in trained if name in untrained)
 
 
 def test_a_redrawn_picture_is_a_new_prompt_and_every_other_answer_is_kept(
