@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
 import subprocess
@@ -11,9 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bad_images import png
 
+from eagle3_datagen.artifacts import REJECTED_PATH, sha256_hex
+from eagle3_datagen.config import DataConfig
 from eagle3_datagen.fingerprints import data_fingerprint
+from eagle3_datagen.images import as_sent, image_names, image_path
 from eagle3_datagen.storage import OutputNotWritable, RunStore, StoragePathError
+from tasks.prompts import build_prompt_shards
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -259,3 +266,28 @@ def test_a_run_in_s3_resumes_on_another_machine_from_its_partial_log_segments(
     assert not store.list(segment_folder(1)), "a finished shard's segments are removed"
     ids = [r["id"] for ref in refs for r in store.read_jsonl(f"generations/shard-{ref.index:05d}.jsonl")]
     assert len(ids) == len(set(ids)) == 24, "every prompt answered exactly once"
+
+
+def test_image_prompts_read_from_s3_are_stored_in_the_run_and_sent_from_there(s3_endpoint: str, store: RunStore,
+                                                                              tmp_path: Path) -> None:
+    """An image at an s3:// URL is read with the environment's credentials, stored once in the run (local or S3)
+    under its hash, and sent from the run's copy; one that does not exist rejects its row."""
+    import s3fs
+
+    picture = png("blue")
+    bucket = s3fs.S3FileSystem()
+    bucket.pipe(f"eagle3-test/{tmp_path.name}-data/pic.png", picture)
+    rows = [{"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": f"s3://eagle3-test/{tmp_path.name}-data/{name}"}},
+        {"type": "text", "text": "Which colour?"}]}]} for name in ("pic.png", "none.png")]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = build_prompt_shards(DataConfig(source=str(source), holdout=0), store)
+
+    [prompt] = [p for ref in result.shards for p in store.read_shard_records(ref)]
+    name = f"{sha256_hex(picture)}.png"
+    assert image_names(prompt["messages"]) == [name] and store.read_bytes(image_path(name)) == picture
+    sent = as_sent(prompt["messages"], store.read_bytes)[0]["content"][0]["image_url"]["url"]
+    assert sent == "data:image/png;base64," + base64.b64encode(picture).decode()
+    [refused] = store.read_jsonl(REJECTED_PATH)
+    assert refused["reason"] == f"image s3://eagle3-test/{tmp_path.name}-data/none.png does not exist"
