@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from built_models import built_model
 
 # torch keeps compiled kernels in /tmp/torchinductor_<user> unless told otherwise: keep them in build/ instead, for
 # this process and every server it starts (set before anything imports torch)
@@ -22,11 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """$EAGLE3_TINY_MODEL when it is built (`make setup` builds it), else a fresh build (a minute or two)."""
-    given = os.environ.get("EAGLE3_TINY_MODEL")
-    if given and (Path(given) / "model.safetensors").is_file():
-        return Path(given)
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    """The tiny reasoning model (a fresh build takes a minute or two)."""
+    return built_model("EAGLE3_TINY_MODEL", lambda: build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ multimodal forward (transformers backend), exports read by the trainers' own loa
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from bad_images import huge_png_header, truncated_png
+from built_models import built_model
 from PIL import Image
 from safetensors.torch import load_file
 from trainer_files import assert_the_trainers_read_every_sample
@@ -36,11 +36,8 @@ IMAGE_ROWS = 24
 
 @pytest.fixture(scope="module")
 def tiny_vlm(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """$EAGLE3_TINY_VLM when it is built (`make setup` builds it), else a fresh build (a few minutes)."""
-    given = os.environ.get("EAGLE3_TINY_VLM")
-    if given and (Path(given) / "model.safetensors").is_file():
-        return Path(given)
-    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), tiny_model)
+    """The tiny vision-language model (a fresh build takes a few minutes)."""
+    return built_model("EAGLE3_TINY_VLM", lambda: build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm"), tiny_model))
 
 
 @pytest.fixture(scope="module")

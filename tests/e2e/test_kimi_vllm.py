@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from built_models import built_model
 from trainer_files import assert_the_trainers_read_every_sample
 
 from cli.demo import demo_config
@@ -51,11 +51,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("prefect_api"),
 
 @pytest.fixture(scope="module")
 def kimi_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """$EAGLE3_TINY_KIMI when it is built (`make setup` builds it), else a fresh build (a minute or two)."""
-    given = os.environ.get("EAGLE3_TINY_KIMI")
-    if given and (Path(given) / "model.safetensors").is_file():
-        return Path(given)
-    return build_tiny_kimi_model(tmp_path_factory.mktemp("tiny-kimi"), KIMI_TOKENIZER)
+    """The tiny model on the real Kimi-K2.5 vocabulary (a fresh build takes a minute or two)."""
+    return built_model("EAGLE3_TINY_KIMI",
+                       lambda: build_tiny_kimi_model(tmp_path_factory.mktemp("tiny-kimi"), KIMI_TOKENIZER))
 
 
 @pytest.fixture(scope="module")
