@@ -113,15 +113,27 @@ def load_rows(source: str, split: str = "train", limit: int | None = None) -> It
         # A bad byte becomes U+FFFD so only its row is rejected, instead of the whole file failing to decode.
         # datasets applies encoding_errors only to an encoding not spelled "utf-8", hence the "utf_8" alias.
         options = {"encoding": "utf_8", "encoding_errors": "replace"} if builder == "json" else {}
-        dataset = datasets.load_dataset(builder, data_files={split: files}, split=split, streaming=True, **options)
+        dataset = _undecoded_images(datasets.load_dataset(builder, data_files={split: files}, split=split,
+                                                          streaming=True, **options))
     elif source.startswith(("/", ".", "~")) or local.suffix in _BUILDERS:
         raise DataSourceMissing(
             f"data.source {source}: no such file or folder; give an existing .jsonl/.json/.parquet file, "
             "a folder of them, or a Hugging Face dataset id"
         )
     else:
-        dataset = datasets.load_dataset(source, split=split, streaming=True)
+        dataset = _undecoded_images(datasets.load_dataset(source, split=split, streaming=True))
     return islice(iter(dataset), limit)
+
+
+def _undecoded_images(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
+    """The dataset's image features as the bytes it holds ({bytes, path}), not decoded pictures: an image is named
+    by those bytes, which a picture encoded again would change."""
+    for name, feature in (dataset.features or {}).items():
+        if isinstance(feature, datasets.Image):
+            dataset = dataset.cast_column(name, datasets.Image(decode=False))
+        elif isinstance(getattr(feature, "feature", None), datasets.Image):
+            dataset = dataset.cast_column(name, datasets.List(datasets.Image(decode=False)))
+    return dataset
 
 
 def _jsonl_rows(files: list[str]) -> Iterator[dict[str, Any] | UnreadableRow]:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -110,6 +111,28 @@ def test_parquet_image_features_are_read_from_their_bytes(tmp_path: Path) -> Non
     result = build_prompt_shards(DataConfig(source=str(source), holdout=0), store)
     [prompt] = [p for ref in result.shards for p in store.read_shard_records(ref)]
     assert image_names(prompt["messages"]) == [f"{sha256_hex(picture)}.png"]
+
+
+def test_datasets_image_features_are_stored_as_the_bytes_the_dataset_holds(tmp_path: Path) -> None:
+    """A Parquet file written by `datasets` with Image features: the stored image is the JPEG it holds, not a
+    picture decoded and encoded again."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (24, 16), "orange").save(buffer, format="JPEG")
+    jpeg = buffer.getvalue()
+    turns = datasets.List({"role": datasets.Value("string"), "content": datasets.Value("string")})
+    for column, feature in (("images", datasets.List(datasets.Image())), ("image", datasets.Image())):
+        value = {"bytes": jpeg, "path": "x.jpg"}
+        rows = datasets.Dataset.from_dict(
+            {column: [[value] if column == "images" else value],
+             "messages": [[{"role": "user", "content": "<image>What colour?"}]]},
+            features=datasets.Features({column: feature, "messages": turns}))
+        source = tmp_path / f"{column}.parquet"
+        rows.to_parquet(source)
+        store = RunStore(str(tmp_path / "out"), column)
+        result = build_prompt_shards(DataConfig(source=str(source), holdout=0), store)
+        [prompt] = [p for ref in result.shards for p in store.read_shard_records(ref)]
+        assert image_names(prompt["messages"]) == [f"{sha256_hex(jpeg)}.jpeg"]
+        assert store.read_bytes(image_path(f"{sha256_hex(jpeg)}.jpeg")) == jpeg
 
 
 def test_unusable_images_reject_their_row_with_the_reason_and_the_run_goes_on(tmp_path: Path) -> None:
