@@ -21,6 +21,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from cli.demo import DEMO_VLM_NAME, image_demo_config
 from cli.runner import run_pipeline
+from eagle3_datagen.config import parse_config
 from eagle3_datagen.hidden_state_format import read_hidden_state_shard
 from eagle3_datagen.images import image_names, image_path
 from eagle3_datagen.storage import RunStore
@@ -28,6 +29,7 @@ from eagle3_datagen.testing.drafts import new_draft, train_draft
 from eagle3_datagen.testing.tiny_vlm import IMAGE_TOKEN, build_tiny_vlm, shape_image, write_image_dataset
 from eagle3_datagen.testing.vllm_server import LocalVLLMServer, free_port
 from tasks.export import export_run
+from tasks.generation import GenerationError
 from tasks.verify import verify_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("prefect_api")]
@@ -192,3 +194,16 @@ def test_a_redrawn_picture_is_a_new_prompt_and_every_other_answer_is_kept(
     second_log = sorted((run / "logs").glob("run-*.log"))[-1].read_text()
     assert "generation done: 1 prompts" in second_log, "only the redrawn picture's prompt was asked"
     assert verify_run(RunStore.at(str(run)), deep=True).complete
+
+
+def test_image_prompts_sent_to_a_text_only_server_stop_the_run_in_one_line(
+        vllm_server: LocalVLLMServer, tiny_vlm: Path, tmp_path: Path) -> None:
+    """The server's refusal of images ends the run at its first answers, its reason in the cause."""
+    source = write_image_dataset(tmp_path / "data", 8)
+    tree = image_demo_config(tiny_vlm, vllm_server.url, tmp_path / "out", source).model_dump(mode="json")
+    tree["model"]["name"] = vllm_server.served_name  # the tiny text model
+    with pytest.raises(GenerationError, match="is not a multimodal model"):
+        run_pipeline(parse_config(tree))
+    manifest = json.loads((tmp_path / "out" / "demo-images" / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "is not a multimodal model" in manifest["cause"]
+    assert "\n" not in manifest["cause"]
