@@ -189,8 +189,7 @@ def cross_checked(prompt: str, rate: float) -> bool:
 
 
 def _needs_text(record: GenerationRecord, settings: SequencesConfig) -> bool:
-    if image_names(record["messages"]):
-        return False  # a text rebuild cannot know how many tokens the server expanded each image to
+    """Whether a text record (not an image one: a rebuild cannot count an image's tokens) is rebuilt from text."""
     has_ids = record.get("prompt_token_ids") is not None and record.get("completion_token_ids") is not None
     if not has_ids:
         return settings.source != "server"
@@ -229,7 +228,9 @@ def build_sequences(
 
     Only the samples that need it are rebuilt from text: those without server ids, and the cross-check sample.
     """
-    need_text = [_needs_text(record, settings) for record in records]
+    shown = [tuple(image_names(record["messages"])) for record in records]
+    image_id = image_token_id(tokenizer, profile) if any(shown) else None
+    need_text = [not images and _needs_text(record, settings) for record, images in zip(records, shown, strict=True)]
     rebuilt = iter(text_rebuilds([r for r, needed in zip(records, need_text, strict=True) if needed],
                                   tokenizer, profile, spec))
     text = [next(rebuilt) if needed else None for needed in need_text]
@@ -248,13 +249,13 @@ def build_sequences(
         if settings.source == "server" and not has_ids:
             shard.reject(record["id"], "the server returned no token ids (sequences.source: server)")
             continue
-        images = tuple(image_names(record["messages"]))
+        images = shown[i]
         if images and (not has_ids or settings.source == "text"):
             shard.reject(record["id"], "an image prompt is exact only in the server's own token ids (a text rebuild "
                                        "cannot count the tokens each image expanded to): serve with token ids and "
                                        "sequences.source auto or server")
             continue
-        spans = token_runs(server_prompt, image_token_id(tokenizer, profile)) if images else ()
+        spans = token_runs(server_prompt, image_id) if images and image_id is not None else ()
         if images and len(spans) < len(images):
             shard.reject(record["id"], f"the server's prompt ids hold {len(spans)} runs of the image token "
                                        f"{profile.image_token!r} for {len(images)} images: is it the model's?")
