@@ -68,10 +68,15 @@ def image_path(name: str) -> str:
     return posixpath.join(IMAGES_DIR, name)
 
 
+def within_bytes(size: int, limits: ImageLimits) -> None:
+    """Refuses an image of `size` bytes (or already that many, while it streams) over the limit."""
+    if size > limits.max_bytes:
+        raise ImageRejected(f"image is over data.images.max_bytes {limits.max_bytes:,}")
+
+
 def checked_image(data: bytes, limits: ImageLimits) -> str:
     """The image's format (its file extension) once Pillow has decoded it whole within the limits."""
-    if len(data) > limits.max_bytes:
-        raise ImageRejected(f"image is {len(data):,} bytes > data.images.max_bytes {limits.max_bytes:,}")
+    within_bytes(len(data), limits)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit checked is ours
         try:
@@ -122,7 +127,7 @@ def as_sent(messages: list[dict[str, Any]], read: Callable[[str], bytes]) -> lis
 
 class ImageReader:
     """The bytes an image reference in a row points at: a data URI, a URL (http, https, s3, file), a path
-    relative to the dataset, or a Parquet/`datasets` image value ({bytes, path} or a decoded PIL image)."""
+    relative to the dataset, or a Parquet/`datasets` image value ({bytes, path}, never decoded: see load_rows)."""
 
     def __init__(self, base: Path, limits: ImageLimits) -> None:
         self.base = base
@@ -130,10 +135,6 @@ class ImageReader:
         self.files_read: dict[str, list[int]] = {}  # local files by path: [size, mtime_ns] when read
 
     def read(self, ref: Any) -> bytes:
-        if isinstance(ref, Image.Image):
-            buffer = io.BytesIO()
-            ref.save(buffer, format="PNG")
-            return buffer.getvalue()
         if isinstance(ref, dict) and ref.get("bytes") is not None:
             return bytes(ref["bytes"])
         if isinstance(ref, dict) and isinstance(ref.get("path"), str):
@@ -154,7 +155,7 @@ class ImageReader:
     def _file(self, path: Path) -> bytes:
         try:
             stat = path.stat()
-            self._within_bytes(stat.st_size)
+            within_bytes(stat.st_size, self.limits)
             data = path.read_bytes()
             self.files_read[str(path.resolve())] = [stat.st_size, stat.st_mtime_ns]
             return data
@@ -171,7 +172,7 @@ class ImageReader:
                 data = bytearray()
                 for chunk in response.iter_bytes():
                     data += chunk
-                    self._within_bytes(len(data))
+                    within_bytes(len(data), self.limits)
                 return bytes(data)
         except httpx.HTTPError as error:
             raise ImageRejected(f"image URL {_shown(url)} did not answer ({type(error).__name__})") from None
@@ -184,12 +185,8 @@ class ImageReader:
             raise ImageRejected(f"image {_shown(url)} does not exist") from None
         except (OSError, ValueError, ImportError) as error:
             raise ImageRejected(f"image {_shown(url)} cannot be read ({type(error).__name__})") from None
-        self._within_bytes(len(data))
+        within_bytes(len(data), self.limits)
         return data
-
-    def _within_bytes(self, size: int) -> None:
-        if size > self.limits.max_bytes:
-            raise ImageRejected(f"image is over data.images.max_bytes {self.limits.max_bytes:,}")
 
 
 def files_fingerprint(files: dict[str, list[int]]) -> str:

@@ -65,10 +65,10 @@ def fresh_target_model(path: str, dtype: str, device_map: str, trust_remote_code
     # "cpu" is where from_pretrained loads anyway; any device_map at all would make accelerate a requirement.
     placement = {} if device_map == "cpu" else {"device_map": device_map}
     with remote_code_named(path):
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        multimodal = getattr(config, "vision_config", None) is not None
+        whole = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        multimodal = getattr(whole, "vision_config", None) is not None  # loaded whole: its forward reads pixels
         loader = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-        model = loader.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
+        model = loader.from_pretrained(path, config=whole, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
                                        **placement).eval()
     base = decoder_stack(model, path)
     config = model.config.get_text_config()

@@ -5,6 +5,7 @@ multimodal forward (transformers backend), exports read by the trainers' own loa
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -207,3 +208,20 @@ def test_image_prompts_sent_to_a_text_only_server_stop_the_run_in_one_line(
     manifest = json.loads((tmp_path / "out" / "demo-images" / "manifest.json").read_text())
     assert manifest["status"] == "failed" and "is not a multimodal model" in manifest["cause"]
     assert "\n" not in manifest["cause"]
+
+
+def test_verify_names_a_missing_image_and_one_changed_after_its_prompts(image_run: tuple[Path, dict[str, str]],
+                                                                        tmp_path: Path) -> None:
+    run, _ = image_run
+    copy = tmp_path / "images-run"
+    shutil.copytree(run, copy)
+    missing, changed = sorted((copy / "images").iterdir())[:2]
+    missing.unlink()
+    changed.write_bytes(changed.read_bytes() + b"\0")
+    structural = verify_run(RunStore.at(str(copy)))
+    assert any("images in storage" in problem for problem in structural.problems), structural.problems
+    deep = verify_run(RunStore.at(str(copy)), deep=True)
+    assert not deep.complete
+    assert any(f"shows images/{missing.name}, which is not in storage" in p for p in deep.problems), deep.problems
+    assert f"images/{changed.name} no longer hashes to its name: the image was changed after its prompts were " \
+           "made" in deep.problems
