@@ -41,18 +41,23 @@ def source_digest(files: list[Path]) -> str:
     output must not invalidate every cached stage of every run."""
     digest = hashlib.sha256()
     for file in files:
-        tree = ast.parse(file.read_bytes(), filename=str(file))
-        for node in ast.walk(tree):
-            if isinstance(node, _SCOPES) and ast.get_docstring(node, clean=False) is not None:
-                node.body = node.body[1:]
-            elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Field":
-                node.keywords = [keyword for keyword in node.keywords if keyword.arg not in _DOC_KEYWORDS]
-        code = ast.dump(tree, annotate_fields=True, include_attributes=False)
-        digest.update(file.name.encode() + b"\0" + code.encode() + b"\0")
+        digest.update(file.name.encode() + b"\0" + _code(file.read_bytes(), file.name) + b"\0")
     return digest.hexdigest()
 
 
-_PARSING = threading.Lock()  # CPython 3.11's ast.parse fails in two threads at once (mapped shards start together)
+@cache
+def _code(source: bytes, filename: str) -> bytes:
+    """The source's syntax tree without what only documents; parsed once (the plumbing is in every stage)."""
+    tree = ast.parse(source, filename=filename)
+    for node in ast.walk(tree):
+        if isinstance(node, _SCOPES) and ast.get_docstring(node, clean=False) is not None:
+            node.body = node.body[1:]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Field":
+            node.keywords = [keyword for keyword in node.keywords if keyword.arg not in _DOC_KEYWORDS]
+    return ast.dump(tree, annotate_fields=True, include_attributes=False).encode()
+
+
+_PARSING = threading.Lock()  # two stage modules imported in two threads (Ray workers) parse one at a time
 
 
 @cache
@@ -63,16 +68,25 @@ def code_version(module_name: str) -> str:
         return source_digest([*stage_files(module_name), *(package / f"{name}.py" for name in _PLUMBING)])
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StageCode(CachePolicy):
-    """The code version of the task's stage (see `code_version`)."""
+    """The code version of a stage (see `code_version`), fixed when its module is imported.
+
+    Parsing later, in a task's thread, can fail: CPython 3.11's ast module counts depth in one global, so a parse
+    in another thread (a traceback being formatted; a garbage-collected finalizer switches threads mid-parse)
+    ends either with "AST constructor recursion depth mismatch".
+    """
+
+    version: str
 
     def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any] | None,
                     flow_parameters: dict[str, Any] | None, **kwargs: Any) -> str | None:
-        return code_version(task_ctx.task.fn.__module__) if task_ctx else None
+        return self.version
 
 
-STAGE_CACHE = INPUTS + StageCode()
+def stage_cache(module_name: str) -> CachePolicy:
+    """The cache policy of the stage whose module is `module_name`: its inputs and its code."""
+    return INPUTS + StageCode(version=code_version(module_name))
 
 
 @dataclass(kw_only=True)

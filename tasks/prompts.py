@@ -31,7 +31,7 @@ from eagle3_datagen.artifacts import (
     sha256_hex,
     shard_name,
 )
-from eagle3_datagen.caching import STAGE_CACHE
+from eagle3_datagen.caching import stage_cache
 from eagle3_datagen.config import DataConfig, ImagesConfig, PipelineConfig
 from eagle3_datagen.conversations import user_turns
 from eagle3_datagen.errors import Eagle3Error, Log, UserError, retry_unless_user_error
@@ -744,7 +744,7 @@ def build_prompt_shards(data: DataConfig, store: RunStore, log: Log = logger,
 
 
 @task(name="load-prompts", task_run_name="{run.run_name}/load-prompts", retries=1,
-      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE)
+      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=stage_cache(__name__))
 def load_prompts(settings: PromptSettings, run: RunLocation) -> PromptLoadResult:
     """Prefect task: stage 2 for the run folder `run`."""
     try:

@@ -29,7 +29,7 @@ from prefect import task
 from transformers import PreTrainedTokenizerBase
 
 from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, prompt_id_of, rejected_path
-from eagle3_datagen.caching import STAGE_CACHE, OutputMadeFrom
+from eagle3_datagen.caching import OutputMadeFrom, stage_cache
 from eagle3_datagen.config import PipelineConfig, SequencesConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.holdout import NO_HOLDOUT, HoldoutSplit, Split
@@ -382,7 +382,8 @@ class SequenceSettings:
 
 
 @task(name="build-sequences", task_run_name="{run.run_name}/build-sequences-{generations.index:05d}", retries=1,
-      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=STAGE_CACHE + OutputMadeFrom(
+      retry_condition_fn=retry_unless_user_error, persist_result=True,
+      cache_policy=stage_cache(__name__) + OutputMadeFrom(
           input_name="generations", record=lambda index: marker_path(artifact_path("sequences", index)),
           key="generations_sha256", output=lambda index: artifact_path("sequences", index)))
 def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run: RunLocation) -> ShardRef:

@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, rejected_path, shard_name, ui_key
-from eagle3_datagen.caching import STAGE_CACHE, OutputMadeFrom
+from eagle3_datagen.caching import OutputMadeFrom, stage_cache
 from eagle3_datagen.config import PipelineConfig, ValidationConfig
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import ModelProfile
@@ -213,7 +213,7 @@ class ValidationSettings:
 
 
 @task(name="validate", task_run_name="{run.run_name}/validate-{generations.index:05d}", retries=0,
-      persist_result=True, cache_policy=STAGE_CACHE + OutputMadeFrom(
+      persist_result=True, cache_policy=stage_cache(__name__) + OutputMadeFrom(
           input_name="generations", record=lambda index: artifact_path("validation", index), key="generations_sha256"))
 def validate_generations(generations: ShardRef, settings: ValidationSettings, run: RunLocation) -> ShardRef:
     """Write validation/shard-NNNNN.json and a UI artifact; fail the shard if it is quarantined."""

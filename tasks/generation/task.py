@@ -10,7 +10,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import GenerationOutcome, ShardRef
-from eagle3_datagen.caching import STAGE_CACHE
+from eagle3_datagen.caching import stage_cache
 from eagle3_datagen.config import PipelineConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.storage import RunLocation
@@ -51,7 +51,7 @@ class GenerationJob:
 
 
 @task(name="generate", task_run_name="{run.run_name}/generate", retries=1, retry_condition_fn=retry_unless_user_error,
-      persist_result=True, cache_policy=STAGE_CACHE - "server")
+      persist_result=True, cache_policy=stage_cache(__name__) - "server")
 def generate(prompt_shards: list[ShardRef], job: GenerationJob, server: ServerConfig,
              run: RunLocation) -> list[ShardRef]:
     """Generate all shards with one shared in-flight budget; resumes from partial logs.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from prefect import task
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, worker_record_path
-from eagle3_datagen.caching import STAGE_CACHE, OutputMadeFrom
+from eagle3_datagen.caching import OutputMadeFrom, stage_cache
 from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.errors import ConfigurationError, retry_unless_user_error
 from eagle3_datagen.hidden_state_format import check_compression
@@ -35,7 +35,7 @@ class ExtractionSettings:
 
 @task(name="extract-hidden-states", task_run_name="{run.run_name}/extract-hidden-states-{sequences.index:05d}",
       retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
-      cache_policy=STAGE_CACHE + OutputMadeFrom(
+      cache_policy=stage_cache(__name__) + OutputMadeFrom(
           input_name="sequences", record=lambda index: artifact_path("hidden_states", index), key="sequences_sha256"))
 def extract_hidden_states(sequences: ShardRef, extraction: ExtractionSettings, run: RunLocation) -> ShardRef:
     """Prefect stage 6 for one shard; a transformers target stays loaded across the shards a process runs.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import tasks.sequences
-import tasks.validation  # noqa: F401
+import tasks.validation
 from eagle3_datagen import fingerprints
 from eagle3_datagen.caching import code_version, source_digest, stage_files
 
@@ -40,6 +41,23 @@ def test_a_stage_package_is_hashed_whole() -> None:
     assert {"batching.py", "parts.py", "transformers_backend.py", "vllm_backend.py", "task.py"} <= names
     assert [file.name for file in stage_files("tasks.sequences")] == ["sequences.py"]
 
+
+
+def test_a_stage_key_is_computed_without_parsing_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys are computed in task threads, where CPython 3.11's ast module fails a parse that overlaps one in another
+    thread (a traceback being formatted): a re-run that hit it could not cache, and its log showed the traceback."""
+    from eagle3_datagen.caching import StageCode
+
+    policy = next(p for p in tasks.sequences.build_sequence_shard.cache_policy.policies if isinstance(p, StageCode))
+    code_version.cache_clear()
+
+    def parse(*args: object, **kwargs: object) -> None:
+        raise SystemError("AST constructor recursion depth mismatch (before=66, after=88)")
+
+    monkeypatch.setattr(ast, "parse", parse)
+    assert policy.compute_key(None, {}, {}) == policy.version  # type: ignore[arg-type]
+    monkeypatch.undo()
+    assert policy.version == code_version("tasks.sequences")
 
 _STAGE = '''"""A stage."""
 from pydantic import BaseModel, Field
