@@ -32,6 +32,10 @@ osd data = $dir/osd/\$cluster-\$id
 [client.rgw.a]
 rgw data = $dir/rgw
 rgw frontends = beast endpoint=127.0.0.1:$port
+# a deleted object's data is freed within seconds, not after RGW's default 2 hours: repeated writes (a benchmark,
+# a long test session) would otherwise fill the in-memory OSD, and a full OSD blocks every write without an error
+rgw gc obj min wait = 0
+rgw gc processor period = 2
 ms mon client mode = crc
 CONF
 ceph_cmd() { "$@" -c "$conf"; }

@@ -141,12 +141,15 @@ def test_shard_splits_into_parts_and_reads_back_equal(fp32: TargetModel, tmp_pat
     store = RecordingStore(str(tmp_path), "run")
     rows = random_rows([3, 40, 17, 25, 8, 33, 1, 40, 12, 20, 29, 6], seed=3)
     shard = write_sequences(store, 3, rows)
-    store.write_bytes("hidden_states/shard-00003/part-00042.safetensors", b"left by an older run")
+    left = ["part-00042.safetensors", "part-00000.safetensors", "part-00001.safetensors.tmp-0f3a"]  # a killed write
+    for name in left:
+        store.write_bytes(f"hidden_states/shard-00003/{name}", b"left by an older run")
     settings = HiddenStatesConfig(dtype="float32", max_tokens_per_batch=64, part_size_bytes=40_000)
 
     index = extract_shard(store, shard, fp32, settings)
 
-    assert not store.exists("hidden_states/shard-00003/part-00042.safetensors")
+    assert sorted(path.name for path in Path(store.local_path("hidden_states/shard-00003")).iterdir()) == sorted(
+        ["index.json", "final_norm.safetensors", *(part["file"] for part in index["parts"])])
     assert store.written[-1] == "hidden_states/shard-00003/index.json"
     assert len(index["parts"]) >= 4
     assert index["num_samples"] == len(rows) and index["num_tokens"] == sum(len(r[1]) for r in rows)
@@ -210,6 +213,7 @@ def test_non_finite_states_name_the_sample_and_leave_no_index(model_dir: str, st
     with torch.no_grad():
         target.base.get_input_embeddings().weight[7] = float("nan")
     shard = write_sequences(store, 1, [("fine", [1, 2, 3], [0, 1, 1]), ("poisoned-42", [1, 7, 3], [0, 1, 1])])
+    store.write_json(artifact_path("hidden_states", 1), {"parts": []})  # an earlier run's: it must not vouch for these
     with pytest.raises(HiddenStatesError, match=r"'poisoned-42'.*NaN"):
         extract_shard(store, shard, target, HiddenStatesConfig(dtype="float32"))
     assert not store.exists(artifact_path("hidden_states", 1))
