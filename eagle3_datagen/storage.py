@@ -227,14 +227,14 @@ class RunStore:
         names = sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(folder, detail=False))
         return [posixpath.join(rel_dir, n) for n in names if n.endswith(suffix) and ".tmp-" not in n]
 
-    def sizes(self, rel_dir: str, temporary: bool = False) -> dict[str, int]:
+    def sizes(self, rel_dir: str) -> dict[str, int]:
         """Every file under `rel_dir`, at any depth, and its bytes: one listing (paginated on an object store),
-        no file read. Listed afresh, like `list`. `temporary`: also a killed write's temporary sibling."""
+        no file read. Listed afresh, like `list`."""
         folder = self.path(rel_dir)
         self.fs.invalidate_cache(folder)
         found = self._retrying(lambda: self.fs.find(folder, detail=True)) if self.fs.exists(folder) else {}
         return {posixpath.relpath(path, self.root): int(info["size"]) for path, info in found.items()
-                if info.get("type") != "directory" and (temporary or ".tmp-" not in path)}
+                if info.get("type") != "directory" and ".tmp-" not in path}
 
     def shard_files_outside(self, shards: set[int]) -> list[str]:
         """Every later stage's files and folders (`SHARD_STAGES`) of shards not in `shards`: left by an earlier
@@ -245,11 +245,6 @@ class RunStore:
     def remove(self, rel: str) -> None:
         if self.exists(rel):
             self.fs.rm(self.path(rel), recursive=True)
-
-    def remove_files(self, rels: list[str]) -> None:
-        """Files known to exist, in one request on an object store (`remove` lists before it deletes)."""
-        if rels:
-            self._retrying(lambda: self.fs.rm([self.path(rel) for rel in rels]))
 
     def local_path(self, rel: str) -> str | None:
         """The plain filesystem path when the run lives on local disk (for appending partial files)."""

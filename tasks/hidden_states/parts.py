@@ -89,12 +89,12 @@ def _list_column(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tens
 class _PartWriter:
     """Buffers samples and writes a part as soon as it holds part_size_bytes, so a shard never sits in memory.
 
-    A part is encoded and written on a thread of its own while the next one fills, and hashed (its blocks on
-    several threads) while it is being written: hashing and writing release the GIL, so on a GPU they overlap the
-    forward passes instead of adding to them. The backends check the states are finite where they are made, before
-    this. One part at a time, so at most two are in memory. Under fp8 it keeps every stored row's cosine to the
-    model-dtype row (4 floats per token) for the index. Held-out samples go to parts of their own (marked
-    `"split": "holdout"` in the index), so training and evaluation each read only their own parts.
+    A part is encoded, hashed (its blocks on several threads) and written on a thread of its own while the next
+    one fills: hashing and writing release the GIL, so on a GPU they overlap the forward passes instead of adding
+    to them. The backends check the states are finite where they are made, before this. One part at a time, so at
+    most two are in memory. Under fp8 it keeps every stored row's cosine to the model-dtype row (4 floats per
+    token) for the index. Held-out samples go to parts of their own (marked `"split": "holdout"` in the index), so
+    training and evaluation each read only their own parts.
     """
 
     def __init__(self, store: RunStore, folder: str, part_size_bytes: int, metadata: dict[str, str],
@@ -107,20 +107,17 @@ class _PartWriter:
         self._pending: dict[Split, list[Sample]] = {split: [] for split in SPLITS}
         self._pending_bytes: dict[Split, int] = dict.fromkeys(SPLITS, 0)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hidden-states-parts")
-        self._hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hidden-states-hash")
-        self._writing: Future[Any] | None = None
+        self._writing: Future[object] | None = None
 
     def __enter__(self) -> _PartWriter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._thread.shutdown(wait=True)  # a part being written ends with the shard, never after it
-        self._hashing.shutdown(wait=True)
 
-    def first(self, work: Callable[[], Any]) -> Future[Any]:
+    def first(self, work: Callable[[], object]) -> None:
         """Run `work` on the writing thread before any part: storage round trips while the first part fills."""
         self._writing = self._thread.submit(work)
-        return self._writing
 
     def add(self, sample: Sample, split: Split) -> None:
         self._pending[split].append(sample)
@@ -153,26 +150,12 @@ class _PartWriter:
         pieces["offsets"] = [torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)]
         encoded = encode_part(pieces, {**self.metadata, "sample_ids": json.dumps(ids)}, self.compression)
         name = f"part-{number:05d}.safetensors"
-        checksum = self._hashing.submit(part_checksum, encoded.buffers)
         self.store.write_buffers(posixpath.join(self.folder, name), encoded.buffers)
         if encoded.cosines is not None:
             self.cosines.append(encoded.cosines)
         self.parts.append({"file": name, "num_samples": len(ids), "num_tokens": sum(lengths),
                            "bytes": sum(buffer.nbytes for buffer in encoded.buffers),
-                           **checksum.result(), **({"split": split} if split != "train" else {})})
-
-
-def _clear_index(store: RunStore, index_rel: str) -> set[str]:
-    """Remove the shard's old index, if any, and return the other files an earlier run left in its folder.
-
-    The old index goes first: a crash below must not leave it vouching for new parts. Its parts are written over
-    (or removed after, when the new layout has fewer), never deleted first: on an object store that costs a
-    listing and round trips before the first byte is written.
-    """
-    old = set(store.sizes(posixpath.dirname(index_rel), temporary=True))
-    if index_rel in old:
-        store.remove_files([index_rel])
-    return old - {index_rel}
+                           **part_checksum(encoded.buffers), **({"split": split} if split != "train" else {})})
 
 
 def write_shard(
@@ -192,7 +175,8 @@ def write_shard(
     layer_ids = {"input_to_layer": aux_layers, "output_of_layer": [i - 1 for i in aux_layers]}
     metadata = {"format": FORMAT, "aux_layers": json.dumps(layer_ids), "final_state": FINAL_STATE}
     with _PartWriter(store, folder, settings.part_size_bytes, metadata, settings.compression) as writer:
-        left_before = writer.first(lambda: _clear_index(store, index_rel))
+        # the old folder goes first, its index with it: a crash below must not leave it vouching for new parts
+        writer.first(lambda: store.remove(folder))
         sequences = read_sequences(store, sequences_ref, target.vocab_size)
         split_of = {sequence.id: sequence.split for sequence in sequences}
         with contextlib.closing(samples(sequences, aux_layers)) as stream:  # closed now, also when add() raises
@@ -203,8 +187,6 @@ def write_shard(
         writer.wait()
     norm_file = save_safetensors({"weight": target.norm_weight.contiguous()}, metadata={"eps": repr(target.norm_eps)})
     store.write_bytes(posixpath.join(folder, FINAL_NORM_FILE), norm_file)
-    written = {posixpath.join(folder, name) for name in (FINAL_NORM_FILE, *(part["file"] for part in writer.parts))}
-    store.remove_files(sorted(left_before.result() - written))  # an earlier layout's parts beyond these
     index = {
         "format": FORMAT,
         "shard": shard_index,
