@@ -87,8 +87,21 @@ async def _stage_lines(flow_run_id: UUID) -> list[str]:
         lines.append(f"stage {stage:<22} {summary:<26} {seconds:8.1f}s")
     work = [r for r in runs if stage_of(r.name) not in BOOKKEEPING_TASKS]
     if work and all(r.state_name == "Cached" for r in work):
-        lines.append(f"all {len(work)} work tasks cached: nothing recomputed, no request sent to any server")
+        lines.append(_all_cached(len(work)))
     return lines
+
+
+def cached_stage_lines(work_states: dict[str, dict[str, int]]) -> list[str]:
+    """The stage lines of a run whose every work task was cached, from the states the flow saw; none otherwise
+    (the server's record, with run times, is read then)."""
+    if not work_states or any(set(states) - {"Cached"} for states in work_states.values()):
+        return []
+    lines = [f"stage {stage:<22} {states['Cached']} Cached" for stage, states in work_states.items() if states]
+    return [*lines, _all_cached(sum(states["Cached"] for states in work_states.values() if states))]
+
+
+def _all_cached(tasks: int) -> str:
+    return f"all {tasks} work tasks cached: nothing recomputed, no request sent to any server"
 
 
 def run_pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]:
@@ -105,13 +118,15 @@ def run_pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, 
     with RunLog(store) as log:
         flow = pipeline_for(config).with_options(result_storage=result_storage_for(config))
         state = flow(config, regenerate, return_state=True)
-        flow_run_id = state.state_details.flow_run_id
-        stages = asyncio.run(_stage_lines(flow_run_id)) if flow_run_id else []
         try:
             summary = state.result()
         except UserError as error:
             error.details = log.where
             raise
+        flow_run_id = state.state_details.flow_run_id
+        stages = cached_stage_lines(summary.pop("work_states", {}))
+        if not stages and flow_run_id:
+            stages = asyncio.run(_stage_lines(flow_run_id))
     if config.hidden_states.backend != "none":
         stages.append(f"trainer files: eagle3-datagen export {summary['run_uri']} --format specforge (or speculators)")
     return {**summary, "stages": stages}

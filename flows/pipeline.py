@@ -38,6 +38,7 @@ from tasks.run.lifecycle import (
     settled_output,
     settled_run,
     start_run,
+    work_states,
 )
 from tasks.sequences import SequenceSettings, build_sequence_shard
 from tasks.validation import ValidationSettings, reopen_quarantined_shards, validate_generations
@@ -74,7 +75,8 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     context = start_run(config)
     job = GenerationJob.from_config(config)
     refuse_other_settings(job.settings, run=run)  # before the prompt stage re-cuts any shard
-    prompts = load_prompts(PromptSettings.from_config(config), run=run)
+    prompts_loaded = load_prompts(PromptSettings.from_config(config), run=run, return_state=True)
+    prompts = prompts_loaded.result()
     check_image_prompts(prompts, profile=config.profile, backend=config.hidden_states.backend)
 
     # Each stage takes only what changes its output, in one settings object: its inputs are its cache key, so
@@ -100,7 +102,10 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
                 run=unmapped(run))
 
     every_stage = [allow_failure(f) for f in [generation, *validated, *sequences, *hidden]]  # failed ones too
-    return finish_run.submit(context, prompts=prompts, generation=generated, wait_for=every_stage).result()
+    summary = finish_run.submit(context, prompts=prompts, generation=generated, wait_for=every_stage).result()
+    return {**summary, "work_states": work_states({load_prompts: [prompts_loaded], generate: [generation],
+                                                   validate_generations: validated, build_sequence_shard: sequences,
+                                                   extract_hidden_states: hidden})}
 
 
 class RunNotVerified(UserError):
