@@ -15,9 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import datasets
 import numpy as np
 from prefect import get_run_logger, task
 from prefect.exceptions import MissingContextError
@@ -53,6 +52,9 @@ from eagle3_datagen.images import (
 from eagle3_datagen.modes import DEFAULT_MODE, ModeWeight, assign_mode
 from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.storage import RunLocation, RunStore, marker_path
+
+if TYPE_CHECKING:
+    import datasets
 
 logger = logging.getLogger(__name__)
 PromptFormat = Literal["auto", "sharegpt", "openai"]
@@ -103,6 +105,8 @@ class UnreadableRow:
 
 def load_rows(source: str, split: str = "train", limit: int | None = None) -> Iterator[dict[str, Any] | UnreadableRow]:
     """Rows of a hub dataset or of local files, streamed so a large dataset is never copied or held whole."""
+    import datasets  # here, not at the top: a re-run whose prompts are cached reads no dataset and need not import it
+
     local = Path(source).expanduser()
     if local.exists():
         builder, files = _local_files(local)
@@ -128,6 +132,8 @@ def load_rows(source: str, split: str = "train", limit: int | None = None) -> It
 def _undecoded_images(dataset: datasets.IterableDataset) -> datasets.IterableDataset:
     """The dataset's image features as the bytes it holds ({bytes, path}), not decoded pictures: an image is named
     by those bytes, which a picture encoded again would change."""
+    import datasets
+
     for name, feature in (dataset.features or {}).items():
         if isinstance(feature, datasets.Image):
             dataset = dataset.cast_column(name, datasets.Image(decode=False))
