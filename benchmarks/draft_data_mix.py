@@ -40,7 +40,7 @@ from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.drafts import new_draft, train_draft
 from eagle3_datagen.testing.vllm_server import LocalVLLMServer
 from eagle3_datagen.think_tokens import load_tokenizer
-from tasks.evaluate import evaluate_draft
+from tasks.evaluate.evaluation import evaluate_draft
 from tasks.export import export_run
 from tasks.hidden_states.transformers_backend import extract_shard, load_target_model
 from tasks.sequences import Sequence, to_parquet, to_table

@@ -107,8 +107,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     import torch
 
-    from tasks.evaluate import evaluate_draft
     from tasks.evaluate.acceptance import table
+    from tasks.evaluate.evaluation import evaluate_draft
 
     shown = [time.monotonic()]
 

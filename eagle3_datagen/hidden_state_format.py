@@ -21,7 +21,8 @@ the model dtype; the index records every row's cosine to the model-dtype row. Th
 state's dtype and shape. `read_part` returns plain tensors in the model dtype whatever the compression, so every
 reader is unchanged.
 
-The extraction stage writes it; export and verify read it, so it lives here, below the stages.
+The extraction stage writes it; export and verify read it, so it lives here, below the stages. torch is imported
+where a tensor is made or read: the flow, structural checks and a cached re-run never load it.
 """
 
 from __future__ import annotations
@@ -32,12 +33,10 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-import torch
-from safetensors.torch import load as load_safetensors
 
 from eagle3_datagen.artifacts import ENCODING_THREADS, HASH_BLOCK_BYTES, blocks_sha256_hex, sha256_hex
 from eagle3_datagen.config import Compression
@@ -45,13 +44,16 @@ from eagle3_datagen.errors import ConfigurationError, UserError
 from eagle3_datagen.holdout import Split
 from eagle3_datagen.storage import RunStore
 
+if TYPE_CHECKING:
+    import torch
+
 # /4: a part's checksum is `sha256_blocks` (its blocks hashed on several threads); /3: parts may be compressed
 # (their metadata and the index say how), each part's checksum a plain `sha256`
 FORMAT = "eagle3-hidden-states/4"
 READABLE_FORMATS = ("eagle3-hidden-states/3", FORMAT)
 FINAL_STATE = "before_norm"
 FINAL_NORM_FILE = "final_norm.safetensors"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = ("bfloat16", "float16", "float32")  # the model dtypes states are stored in
 PART_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states")
 STATE_TENSORS = ("aux_hidden_states", "final_hidden_states")
 ZSTD_LEVEL = 1  # higher levels take several times as long for a few percent smaller parts
@@ -62,10 +64,18 @@ COSINE_GOAL = 0.999
 
 # safetensors' names of the dtypes a part or a norm file holds
 _SAFETENSORS_DTYPES = {
-    torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-    **({torch.float8_e4m3fn: "F8_E4M3"} if hasattr(torch, "float8_e4m3fn") else {}),
+    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
 }
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a model dtype's name (`hidden_states.dtype`, a part's `encoded` metadata)."""
+    import torch
+
+    if name not in DTYPES:
+        raise HiddenStatesError(f"states stored as {name!r}, not one of {', '.join(DTYPES)}: re-run hidden_states")
+    return getattr(torch, name)
 
 
 def safetensors_buffers(tensors: dict[str, list[torch.Tensor]], metadata: dict[str, str] | None = None
@@ -77,6 +87,8 @@ def safetensors_buffers(tensors: dict[str, list[torch.Tensor]], metadata: dict[s
     The same bytes on every machine and process: tensors stored in name order, the header's keys sorted
     (safetensors' own writer orders metadata by a hash map that changes from process to process).
     """
+    import torch
+
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     buffers: list[memoryview] = []
     offset = 0
@@ -87,7 +99,8 @@ def safetensors_buffers(tensors: dict[str, list[torch.Tensor]], metadata: dict[s
             buffers.append(memoryview(piece.contiguous().view(-1).view(torch.uint8).numpy()))
             offset += buffers[-1].nbytes
         shape = [sum(piece.shape[0] for piece in pieces), *pieces[0].shape[1:]] if pieces[0].dim() else []
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[pieces[0].dtype], "shape": shape, "data_offsets": [start, offset]}
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[_dtype_name(pieces[0].dtype)], "shape": shape,
+                        "data_offsets": [start, offset]}
     text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     return [memoryview(len(text).to_bytes(8, "little") + text), *buffers]
@@ -152,6 +165,8 @@ def check_finite(states: torch.Tensor, sample_ids: Sequence[str], lengths: Seque
     sample's tokens past its length (padding) not counted. Summed in float32: NaN and Inf survive a sum, and no
     finite bf16 or fp16 row overflows it.
     """
+    import torch
+
     bad = ~torch.isfinite(states.flatten(2).sum(-1, dtype=torch.float32))  # [samples, tokens]
     if lengths is not None:
         positions = torch.arange(bad.shape[1], device=bad.device)
@@ -167,13 +182,19 @@ def final_rms_norm(states: torch.Tensor, weight: torch.Tensor, eps: float) -> to
     Why: the stored final state is before the norm (what vLLM captures and speculators trains on); SpecForge
     trains on the state after it, which `lm_head` reads. Extraction checks this against the model's own norm.
     """
+    import torch
+
     hidden = states.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
     return weight.to(states.dtype) * hidden.to(states.dtype)
 
-def check_compression(compression: Compression, torch_module: ModuleType = torch) -> None:
+def check_compression(compression: Compression, torch_module: ModuleType | None = None) -> None:
     """Refuse fp8 before any work where torch has no float8 dtypes (torch < 2.1), rather than at the first part."""
-    if compression == "fp8" and not hasattr(torch_module, "float8_e4m3fn"):
+    if compression != "fp8":
+        return
+    if torch_module is None:
+        import torch as torch_module
+    if not hasattr(torch_module, "float8_e4m3fn"):
         raise ConfigurationError(
             f"config key hidden_states.compression: fp8 needs float8 dtypes, which torch "
             f"{getattr(torch_module, '__version__', '?')} lacks: install torch >= 2.1 or use compression zstd"
@@ -197,6 +218,8 @@ def encode_part(pieces: dict[str, list[Any]], metadata: dict[str, str],
     never joined in memory. Under zstd each piece is compressed on its own, on several threads; under fp8 a
     piece not quantized where it was made (`Fp8States`) is quantized here.
     """
+    import torch
+
     if compression == "none":
         return EncodedPart(safetensors_buffers(pieces, metadata={**metadata, "compression": "none"}), None)
     stored = {name: tensor_pieces for name, tensor_pieces in pieces.items() if name not in STATE_TENSORS}
@@ -223,10 +246,13 @@ def encode_part(pieces: dict[str, list[Any]], metadata: dict[str, str],
 
 def _decode_part(data: bytes) -> dict[str, torch.Tensor]:
     """The plain tensors of a part's bytes, states in the model dtype whatever the compression."""
+    import torch
+    from safetensors.torch import load as load_safetensors
+
     tensors = load_safetensors(data)
     metadata = _safetensors_metadata(data)
     for name, spec in json.loads(metadata.get("encoded", "{}")).items():
-        dtype, shape = DTYPES[spec["dtype"]], spec["shape"]
+        dtype, shape = torch_dtype(spec["dtype"]), spec["shape"]
         if metadata["compression"] == "zstd" and f"{name}.zstd_bytes" in tensors:  # /4: one chunk per sample
             rows = tensors["offsets"].diff().tolist()
             chunks = torch.split(tensors.pop(f"{name}.zstd"), tensors.pop(f"{name}.zstd_bytes").tolist())
@@ -250,12 +276,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _zstd_compress(states: torch.Tensor) -> torch.Tensor:
     """The states' bytes as planes (byte k of every value together), zstd-compressed, as a uint8 tensor."""
+    import torch
+
     values = states.contiguous().view(torch.uint8).numpy().reshape(-1, states.element_size())
     compressed = pa.Codec("zstd", compression_level=ZSTD_LEVEL).compress(np.ascontiguousarray(values.T), asbytes=True)
     return torch.frombuffer(bytearray(compressed), dtype=torch.uint8)
 
 
 def _zstd_decompress(compressed: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    import torch
+
     itemsize = torch.empty((), dtype=dtype).element_size()
     count = int(np.prod(shape))
     raw = pa.decompress(compressed.numpy(), decompressed_size=count * itemsize, codec="zstd", asbytes=False)
@@ -270,6 +300,8 @@ def quantize_fp8(states: torch.Tensor, hidden_size: int) -> Fp8States:
     One scale per layer of a token, not one per token: each layer's scale follows its own magnitude, which grows
     from the low aux layer to the final state. The cosine is that of what `read_part` returns (same dequantization).
     """
+    import torch
+
     tokens, layers, device = len(states), states.shape[-1] // hidden_size, states.device
     values = torch.empty(states.shape, dtype=torch.float8_e4m3fn, device=device)
     scale = torch.empty((tokens, layers), dtype=torch.float32, device=device)
@@ -293,6 +325,8 @@ def _dequantize_rows(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dty
 
 
 def _dequantize_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
     states = torch.empty(values.shape, dtype=dtype)
     for start in range(0, len(values), FP8_BLOCK_TOKENS):
         block = slice(start, start + FP8_BLOCK_TOKENS)
@@ -381,6 +415,8 @@ def read_hidden_state_shard(store: RunStore, index_rel: str, split: Split | None
 
 def read_final_norm(store: RunStore, index_rel: str) -> tuple[torch.Tensor, float]:
     """The final norm's weight and eps stored beside a shard's parts, checked against the index."""
+    from safetensors.torch import load as load_safetensors
+
     entry = store.read_json(index_rel).get("final_norm")
     rel = posixpath.join(posixpath.dirname(index_rel), entry["file"]) if entry else None
     if rel is None or not store.exists(rel):

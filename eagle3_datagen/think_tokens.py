@@ -6,17 +6,20 @@ already writes the start tag, changes every training sequence.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from eagle3_datagen.artifacts import GenerationRecord
 from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.modes import with_system_prompt
 from eagle3_datagen.profiles import ModelProfile
+
+if TYPE_CHECKING:  # transformers (and torch with it) loads with the first tokenizer: a cached re-run needs none
+    from transformers import PreTrainedTokenizerBase
 
 
 class ThinkTokenError(ConfigurationError, ValueError):
@@ -41,6 +44,8 @@ class ThinkTokenSpec:
 @lru_cache(maxsize=8)
 def load_tokenizer(path_or_id: str) -> PreTrainedTokenizerBase:
     """A tokenizer loaded once per process; remote code is never executed."""
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=False)
     except (OSError, ValueError) as error:
@@ -135,6 +140,17 @@ def tool_calls_text(tokenizer: PreTrainedTokenizerBase, record: GenerationRecord
     calls = full[len(prompt) + len(head):]
     end = calls.rfind(spec.end_of_turn)
     return calls[:end] if end >= 0 else calls
+
+
+def think_token_proof(tokenizer: str, tokenizer_fingerprint: str, profile: ModelProfile) -> str | None:
+    """What a discovery holds for: the tokenizer's files, the profile and this module's code. A run that recorded
+    the same proof reuses its think tokens without loading a tokenizer (transformers and torch with it: seconds of
+    every cached re-run). A tokenizer named by hub id has no files here to vouch for it: None, found again."""
+    if not Path(tokenizer).exists():
+        return None
+    digest = hashlib.sha256(tokenizer_fingerprint.encode() + b"\0" + profile.model_dump_json().encode() + b"\0")
+    digest.update(Path(__file__).read_bytes())
+    return digest.hexdigest()
 
 
 def discover_think_tokens(tokenizer: PreTrainedTokenizerBase, profile: ModelProfile) -> ThinkTokenSpec:

@@ -7,11 +7,13 @@ import importlib
 import os
 import sys
 from types import ModuleType
-from typing import Any
+from typing import Any, Literal
 
 from eagle3_datagen.errors import UserError
 
 SPECULATORS_VERSION = "0.9.0"
+Trainer = Literal["specforge", "speculators"]
+FINAL_STATE_FOR: dict[Trainer, str] = {"specforge": "after_norm", "speculators": "before_norm"}
 
 
 class TrainerMissing(UserError):

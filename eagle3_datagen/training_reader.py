@@ -22,7 +22,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,9 +43,8 @@ from eagle3_datagen.hidden_state_format import (
 )
 from eagle3_datagen.holdout import SPLITS, Split
 from eagle3_datagen.storage import RunStore
+from eagle3_datagen.trainers import FINAL_STATE_FOR, Trainer
 
-Trainer = Literal["specforge", "speculators"]
-FINAL_STATE_FOR: dict[Trainer, str] = {"specforge": "after_norm", "speculators": "before_norm"}
 SPECFORGE_DTYPE = torch.bfloat16  # its TargetHead is cast to bf16 and its inputs are not: float32 fails to train
 ENDED_SHORT = ("failed", "cancelled")
 SHARED_SETTINGS = ("aux_layers", "hidden_size", "num_layers", "dtype", "model")  # every shard must agree on these

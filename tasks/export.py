@@ -30,10 +30,8 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from safetensors.torch import save as save_safetensors
 
 from eagle3_datagen.artifacts import MANIFEST, artifact_path, sha256_hex, shard_name
 from eagle3_datagen.errors import UserError, retry_unless_user_error
@@ -45,7 +43,7 @@ from eagle3_datagen.hidden_state_format import (
 )
 from eagle3_datagen.holdout import Split
 from eagle3_datagen.storage import RunStore
-from eagle3_datagen.training_reader import FINAL_STATE_FOR, Trainer, specforge_features
+from eagle3_datagen.trainers import FINAL_STATE_FOR, Trainer
 
 ExportFormat = Trainer
 EXPORT_INDEX = "export.json"
@@ -141,6 +139,11 @@ def _sample_file(export_format: ExportFormat, shard: ShardExport, i: int) -> str
 
 def export_shard(plan: ExportPlan, shard: ShardExport) -> dict[str, Any]:
     """Write one shard's samples as trainer files, then its marker; a shard with a current marker is skipped."""
+    import torch
+    from safetensors.torch import save as save_safetensors
+
+    from eagle3_datagen.training_reader import specforge_features
+
     run, out = RunStore.at(plan.run_uri), RunStore.at(plan.out_uri)
     if out.exists(_marker(shard)):
         marker = out.read_json(_marker(shard))
@@ -236,6 +239,7 @@ def finish_export(plan: ExportPlan) -> dict[str, Any]:
 def _write_dataset(out: RunStore, plan: ExportPlan) -> None:
     """The rows as a `datasets` folder in torch format, built on local disk and copied up file by file."""
     import datasets
+    import torch
 
     with tempfile.TemporaryDirectory(prefix="eagle3-export-") as tmp:
         shards = [shard for shard in plan.shards if shard.num_samples]  # datasets cannot read an empty parquet

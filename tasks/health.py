@@ -13,11 +13,10 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from transformers import PreTrainedTokenizerBase
 
 from eagle3_datagen.artifacts import MANIFEST, ShardRef
 from eagle3_datagen.config import GenerationConfig, PipelineConfig, ServerConfig, ValidationConfig
@@ -26,6 +25,9 @@ from eagle3_datagen.profiles import ModelProfile
 from eagle3_datagen.protocol import OpenAIClient, api_key
 from eagle3_datagen.storage import RunLocation, RunStore
 from eagle3_datagen.think_tokens import load_tokenizer, render_generation_prompt
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 STARTUP_REPORT_EVERY_S = 15.0

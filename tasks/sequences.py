@@ -20,13 +20,12 @@ import hashlib
 import io
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from prefect import task
-from transformers import PreTrainedTokenizerBase
 
 from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, prompt_id_of, rejected_path
 from eagle3_datagen.caching import OutputMadeFrom, stage_cache
@@ -44,6 +43,9 @@ from eagle3_datagen.think_tokens import (
     render_generation_prompt,
     tool_calls_text,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SCHEMA = pa.schema([
     ("id", pa.string()),

@@ -1,4 +1,8 @@
-"""The Prefect task of stage 6: one shard, either backend."""
+"""The Prefect task of stage 6: one shard, either backend.
+
+The backends (torch, transformers) are imported where a shard is extracted: the flow, and a re-run whose shards
+are all cached, never load them.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +18,6 @@ from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.errors import ConfigurationError, retry_unless_user_error
 from eagle3_datagen.hidden_state_format import check_compression
 from eagle3_datagen.storage import RunLocation
-from tasks.hidden_states.targets import resolve_aux_layers, target_num_layers
-from tasks.hidden_states.transformers_backend import extract_shard, load_target_model, target_loads
-from tasks.hidden_states.vllm_backend import extract_shard_vllm, load_served_target
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,13 @@ def extract_hidden_states(sequences: ShardRef, extraction: ExtractionSettings, r
     store = run.store()
     check_compression(settings.compression)  # this worker's torch, before a target is loaded or asked
     if settings.backend == "vllm":
+        from tasks.hidden_states.vllm_backend import extract_shard_vllm, load_served_target
+
         index = extract_shard_vllm(store, sequences, load_served_target(target_model), settings)
     elif settings.backend == "transformers":
+        from tasks.hidden_states.targets import resolve_aux_layers, target_num_layers
+        from tasks.hidden_states.transformers_backend import extract_shard, load_target_model, target_loads
+
         layers = target_num_layers(target_model, trust_remote_code)
         resolve_aux_layers(settings.aux_layers, layers)  # before loading any weights
         target = load_target_model(target_model, settings.dtype, settings.device_map, trust_remote_code)

@@ -17,13 +17,13 @@ from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.hidden_state_format import (
-    DTYPES,
     Fp8States,
     HiddenStatesError,
     Sample,
     check_finite,
     final_rms_norm,
     quantize_fp8,
+    torch_dtype,
 )
 from eagle3_datagen.images import image_path, name_matches
 from eagle3_datagen.storage import RunStore
@@ -68,8 +68,8 @@ def fresh_target_model(path: str, dtype: str, device_map: str, trust_remote_code
         whole = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
         multimodal = getattr(whole, "vision_config", None) is not None  # loaded whole: its forward reads pixels
         loader = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-        model = loader.from_pretrained(path, config=whole, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code,
-                                       **placement).eval()
+        model = loader.from_pretrained(path, config=whole, dtype=torch_dtype(dtype),
+                                       trust_remote_code=trust_remote_code, **placement).eval()
     base = decoder_stack(model, path)
     config = model.config.get_text_config()
     eps = getattr(base.norm, "variance_epsilon", getattr(base.norm, "eps", None))
@@ -81,7 +81,7 @@ def fresh_target_model(path: str, dtype: str, device_map: str, trust_remote_code
         num_layers=config.num_hidden_layers,
         hidden_size=config.hidden_size,
         vocab_size=base.get_input_embeddings().num_embeddings,
-        dtype=DTYPES[dtype],
+        dtype=torch_dtype(dtype),
         fingerprint=fingerprint(path),
         norm_weight=base.norm.weight.detach().to("cpu", copy=True),
         norm_eps=float(eps),

@@ -28,7 +28,7 @@ from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.errors import ConfigurationError
 from eagle3_datagen.fingerprints import fingerprint
-from eagle3_datagen.hidden_state_format import DTYPES, HiddenStatesError, Sample, check_finite
+from eagle3_datagen.hidden_state_format import HiddenStatesError, Sample, check_finite, torch_dtype
 from eagle3_datagen.storage import RunStore
 from tasks.hidden_states.parts import TokenSequence, write_shard
 from tasks.hidden_states.targets import TargetInfo
@@ -143,7 +143,7 @@ def served_samples(
     Each file is removed once read; on an error or an early close the files of requests already sent are
     waited for and removed too, so a failed shard leaves nothing on the shared path.
     """
-    dtype = DTYPES[settings.dtype]
+    dtype = torch_dtype(settings.dtype)
     pending: deque[tuple[TokenSequence, Future[str]]] = deque()
     with ThreadPoolExecutor(settings.max_in_flight, thread_name_prefix="hidden-states") as pool:
         try:

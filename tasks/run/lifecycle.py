@@ -38,8 +38,8 @@ from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.modes import assign_mode
 from eagle3_datagen.redaction import redact
 from eagle3_datagen.storage import RunStore
-from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer
-from tasks.run.plots import PLOT_FILES, run_plots
+from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer, think_token_proof
+from tasks.run.plots import PLOT_FILES, drawn_plots, run_plots
 from tasks.run.report import mode_rows, render_report, run_shortfall, shard_row, turn_rows, where_outputs_are
 from tasks.run.status import ShardStatus, fp8_fidelity, shard_status
 
@@ -114,14 +114,18 @@ def start_run(config: PipelineConfig) -> RunContext:
     store.check_writable()
     create_markdown_artifact(key=ui_key(config.run_name, "output"), markdown=f"Output: {where_outputs_are(store.uri)}",
                              description=f"where {config.run_name} writes its outputs")
-    spec = discover_think_tokens(load_tokenizer(config.model.tokenizer), config.profile)
+    manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {"created_at": _now()}
+    tokenizer_fingerprint = fingerprint(config.model.tokenizer)
+    proof = think_token_proof(config.model.tokenizer, tokenizer_fingerprint, config.profile)
+    if proof is None or manifest.get("think_token_proof") != proof:
+        manifest["think_tokens"] = discover_think_tokens(load_tokenizer(config.model.tokenizer),
+                                                         config.profile).as_dict()
     context = RunContext(
         config=config,
-        tokenizer_fingerprint=fingerprint(config.model.tokenizer),
+        tokenizer_fingerprint=tokenizer_fingerprint,
         target_fingerprint=fingerprint(config.target_model),
-        think_tokens=spec.as_dict(),
+        think_tokens=manifest["think_tokens"],
     )
-    manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {"created_at": _now()}
     if manifest.get("status") == "running":
         get_run_logger().warning(
             "the previous run of %s did not end (killed, or still running elsewhere; last update %s): resuming "
@@ -138,6 +142,7 @@ def start_run(config: PipelineConfig) -> RunContext:
         config=config.model_dump(mode="json"),
         fingerprints={"tokenizer": context.tokenizer_fingerprint, "target_model": context.target_fingerprint},
         think_tokens=context.think_tokens,
+        think_token_proof=proof,
     )
     store.write_json(MANIFEST, manifest)
     return context
@@ -176,7 +181,7 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
     by_mode = mode_rows(shards, {entry.mode: entry.weight for entry in mix}, last_stage, prompts.holdout.prompts)
     by_turn = turn_rows(shards)
     timeline = store.read_jsonl(TIMELINE) if store.exists(TIMELINE) else []
-    plots = run_plots(shards, shard_rows, timeline)
+    plotted = run_plots(shards, shard_rows, timeline)
     finished = [s for s in shards.values() if s.stage(last_stage).done]
     rejected = prompts.rejected + sum(
         s.stage(stage).get("rejected") for s in shards.values() for stage in ("generations", "sequences"))
@@ -200,8 +205,7 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
         fp8_fidelity=fp8_fidelity(shards),
         **image_totals(prompts, shards),
     )
-    for title, png in plots.items():
-        store.write_bytes(PLOT_FILES[title], png)
+    plots = drawn_plots(store, plotted, store.read_json(MANIFEST).get("plots", {}))
     report = render_report(config.run_name, store.uri, shard_rows, totals.labelled(), {},  # plots linked
                            [by_mode, by_turn])
     evaluated = evaluations_section(store.read_text(REPORT)) if store.exists(REPORT) else ""
@@ -217,7 +221,8 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
                           generation_error)
     end_run(store, "failed" if cause else "completed", cause,
             shards={name: status.as_manifest() for name, status in shards.items()}, totals=totals.as_manifest(),
-            modes=by_mode, holdout=prompts.holdout.model_dump(), **({"turns": by_turn} if by_turn else {}))
+            modes=by_mode, holdout=prompts.holdout.model_dump(), **({"turns": by_turn} if by_turn else {}),
+            plots={PLOT_FILES[title]: plot.digest for title, plot in plotted.items()})
     if cause and isinstance(error, UserError):
         raise error.restated(cause) from None  # its type and exit status, with what the run knows now
     if cause:

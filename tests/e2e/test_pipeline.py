@@ -241,6 +241,43 @@ def test_a_rollout_regenerates_each_turn_on_its_own_answers_through_every_stage(
     assert_the_trainers_read_every_sample(run, 41 - held)
 
 
+def test_a_cached_re_run_loads_no_tokenizer_and_draws_no_plot_until_what_they_show_changes(
+        tiny_model: Path, server: ScriptedServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    for file in [*tiny_model.glob("tokenizer*"), tiny_model / "chat_template.jinja"]:
+        (tokenizer / file.name).write_bytes(file.read_bytes())
+    cfg = config(tiny_model, server.url, tmp_path / "runs", hidden_states__backend="none",
+                 model__tokenizer=str(tokenizer))
+    run_pipeline(cfg)
+    run = tmp_path / "runs" / "flow"
+    first = json.loads((run / "manifest.json").read_text())
+    pngs = {file: (run / file).read_bytes() for file in first["plots"]}
+    assert len(pngs) >= 2
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a cached re-run loaded a tokenizer or drew a plot")
+
+    with monkeypatch.context() as patched:
+        patched.setattr("tasks.run.lifecycle.load_tokenizer", refused)
+        patched.setattr("tasks.run.plots.png", refused)
+        again = run_pipeline(cfg)
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert again["totals"] == manifest["totals"] and manifest["status"] == "completed"
+    assert manifest["think_tokens"] == first["think_tokens"] and manifest["plots"] == first["plots"]
+    assert {file: (run / file).read_bytes() for file in pngs} == pngs
+    assert all(f"]({file})" in (run / "report.md").read_text() for file in pngs)
+
+    config_file = tokenizer / "tokenizer_config.json"  # the same tags, another file: proven again
+    config_file.write_text(config_file.read_text() + "\n")
+    loads: list[str] = []
+    monkeypatch.setattr("tasks.run.lifecycle.load_tokenizer", lambda path: loads.append(path) or load_tokenizer(path))
+    run_pipeline(cfg)
+    changed = json.loads((run / "manifest.json").read_text())
+    assert loads == [str(tokenizer)] and changed["think_token_proof"] != first["think_token_proof"]
+    assert changed["think_tokens"] == first["think_tokens"]
+
+
 def test_changing_a_later_stage_reruns_only_that_stage(tiny_model: Path, server: ScriptedServer,
                                                        tmp_path: Path) -> None:
     run_pipeline(config(tiny_model, server.url, tmp_path, hidden_states__backend="none"))

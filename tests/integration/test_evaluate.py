@@ -21,9 +21,8 @@ from eagle3_datagen.artifacts import MANIFEST
 from eagle3_datagen.config import HiddenStatesConfig
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.trainers import speculators_call_kwargs
-from tasks.evaluate import evaluate_draft
 from tasks.evaluate.draft import DraftRefused, RunTarget, load_draft
-from tasks.evaluate.task import NothingToEvaluate
+from tasks.evaluate.evaluation import NothingToEvaluate, evaluate_draft
 from tasks.export import export_run
 from tasks.hidden_states.transformers_backend import extract_shard, load_target_model
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +14,9 @@ import tasks.sequences
 import tasks.validation
 from eagle3_datagen import fingerprints
 from eagle3_datagen.caching import code_version, source_digest, stage_files
+from eagle3_datagen.fingerprints import fingerprint
+from eagle3_datagen.profiles import BUILTIN_PROFILES
+from eagle3_datagen.think_tokens import think_token_proof
 
 
 def test_a_change_in_a_stage_core_function_changes_the_code_version(tmp_path: Path) -> None:
@@ -164,3 +168,23 @@ def test_a_data_file_edited_in_place_to_the_same_size_is_another_source(tmp_path
     monkeypatch.setattr(fingerprints, "_SMALL_FILE_BYTES", 64 << 20)
     small.write_text('{"prompt": "hi"}\n')
     assert fingerprints.data_fingerprint(str(small)) == fingerprints.fingerprint(str(small))
+
+
+def test_the_flow_and_the_command_import_neither_torch_nor_transformers() -> None:
+    """They load with the first tokenizer, target or tensor: a re-run whose stages are all cached needs none."""
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, cli.main, cli.runner, flows.pipeline; "
+         "print(sorted({name.split('.')[0] for name in sys.modules} & {'torch', 'transformers', 'datasets'}))"],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[2])
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_recorded_think_tokens_hold_for_the_same_tokenizer_files_and_profile_only(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")
+    qwen3, deepseek = BUILTIN_PROFILES["qwen3"], BUILTIN_PROFILES["deepseek-r1"]
+    proof = think_token_proof(str(tmp_path), fingerprint(str(tmp_path)), qwen3)
+    assert proof == think_token_proof(str(tmp_path), fingerprint(str(tmp_path)), qwen3)
+    assert proof != think_token_proof(str(tmp_path), fingerprint(str(tmp_path)), deepseek)
+    (tmp_path / "tokenizer.json").write_text('{"edited": true}')
+    assert proof != think_token_proof(str(tmp_path), fingerprint(str(tmp_path)), qwen3)
+    assert think_token_proof("org/hub-model", fingerprint("org/hub-model"), qwen3) is None, "no files to vouch"
