@@ -1,7 +1,7 @@
 """The report's plots as PNG bytes: reasoning and answer lengths, shard outcomes, request latency over time.
 
-A plot is drawn again only when what it shows changed: drawing the three of a 100-shard run took 2.6 s of every
-cached re-run (its whole finishing step), and matplotlib's import with it.
+A plot is drawn again only when what it shows changed: drawing was most of a cached re-run's finishing step
+(benchmarks/README.md, million_prompts.py).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import subprocess
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -115,7 +116,10 @@ def test_a_run_on_s3_writes_every_artifact_and_its_cache_there(s3_endpoint: str,
           f"{reads['requests']} requests in all; the first run wrote {written:,} bytes")
     shards_read = [key for key in reads["keys"] if re.search(r"shard-\d{5}(\.jsonl|\.parquet|/)", key)]
     assert not shards_read, "a re-run learns what is finished from markers, not by reading shards"
-    assert reads["bytes"] < 0.02 * written, "what a re-run reads is the manifest, markers and cached results"
+    plots = {key: size for key, size in reads["bytes_of"].items() if key.endswith(".png")}
+    assert sorted(plots) == sorted(f"runs/s3run/{file}" for file in store.read_json("manifest.json")["plots"])
+    assert reads["bytes"] - sum(plots.values()) < 0.02 * written, \
+        "what a re-run reads is the manifest, markers, cached results and the report's plots (read, not drawn)"
     assert store.read_json("manifest.json")["status"] == "completed"
     assert store.list("sequences", ".parquet") == ["sequences/shard-00000.parquet", "sequences/shard-00001.parquet"]
     assert store.list(".prefect-results"), "the task cache lives in the run's own storage"
@@ -135,10 +139,10 @@ def test_a_run_on_s3_writes_every_artifact_and_its_cache_there(s3_endpoint: str,
 @contextmanager
 def counted_s3_reads() -> Iterator[dict[str, Any]]:
     """Every S3 request this process makes, the object bytes its GETs return (whole objects and ranges), and the
-    keys they read."""
+    keys they read with the bytes read of each."""
     from s3fs.core import S3FileSystem
 
-    counts: dict[str, Any] = {"requests": 0, "gets": 0, "bytes": 0, "keys": []}
+    counts: dict[str, Any] = {"requests": 0, "gets": 0, "bytes": 0, "keys": [], "bytes_of": defaultdict(int)}
     call = S3FileSystem._call_s3
 
     async def counted_call(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -148,6 +152,7 @@ def counted_s3_reads() -> Iterator[dict[str, Any]]:
             counts["gets"] += 1
             counts["bytes"] += int(response.get("ContentLength") or 0)
             counts["keys"].append(kwargs.get("Key", ""))
+            counts["bytes_of"][kwargs.get("Key", "")] += int(response.get("ContentLength") or 0)
         return response
 
     with pytest.MonkeyPatch.context() as patch:
