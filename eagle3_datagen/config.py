@@ -31,6 +31,7 @@ from eagle3_datagen.profiles import BUILTIN_PROFILES, ModelProfile, resolve_prof
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ABSOLUTE = r"^(/|[A-Za-z][A-Za-z0-9+.-]*://)"  # an absolute path or a URL such as s3://bucket/prefix
 Compression = Literal["none", "zstd", "fp8"]
+ModelDtype = Literal["bfloat16", "float16", "float32"]
 ABSOLUTE_OUTPUT_FIX = "an absolute path such as /data/eagle3-runs, or s3://bucket/prefix"
 ENDPOINTS_FIX = "list at least one vLLM base URL under server.endpoints, e.g. [http://127.0.0.1:8000]"
 
@@ -372,7 +373,7 @@ class HiddenStatesConfig(_Section):
     aux_layers: list[int] | None = Field(
         default=None, description="Input-to-layer ids (= HF hidden_states index); default [2, N//2, N-3]."
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+    dtype: ModelDtype = Field(
         default="bfloat16", description="dtype of the stored hidden states (and of the target's forward pass)."
     )
     device_map: str = Field(default="cpu", description="transformers device_map, e.g. `cpu`, `cuda`, `auto`.")

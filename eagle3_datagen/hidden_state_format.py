@@ -33,13 +33,13 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 import numpy as np
 import pyarrow as pa
 
 from eagle3_datagen.artifacts import ENCODING_THREADS, HASH_BLOCK_BYTES, blocks_sha256_hex, sha256_hex
-from eagle3_datagen.config import Compression
+from eagle3_datagen.config import Compression, ModelDtype
 from eagle3_datagen.errors import ConfigurationError, UserError
 from eagle3_datagen.holdout import Split
 from eagle3_datagen.storage import RunStore
@@ -53,7 +53,7 @@ FORMAT = "eagle3-hidden-states/4"
 READABLE_FORMATS = ("eagle3-hidden-states/3", FORMAT)
 FINAL_STATE = "before_norm"
 FINAL_NORM_FILE = "final_norm.safetensors"
-DTYPES = ("bfloat16", "float16", "float32")  # the model dtypes states are stored in
+DTYPES: tuple[str, ...] = get_args(ModelDtype)  # the model dtypes states are stored in
 PART_TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "final_hidden_states")
 STATE_TENSORS = ("aux_hidden_states", "final_hidden_states")
 ZSTD_LEVEL = 1  # higher levels take several times as long for a few percent smaller parts

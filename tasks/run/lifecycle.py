@@ -117,14 +117,13 @@ def start_run(config: PipelineConfig) -> RunContext:
     manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {"created_at": _now()}
     tokenizer_fingerprint = fingerprint(config.model.tokenizer)
     proof = think_token_proof(config.model.tokenizer, tokenizer_fingerprint, config.profile)
-    if proof is None or manifest.get("think_token_proof") != proof:
-        manifest["think_tokens"] = discover_think_tokens(load_tokenizer(config.model.tokenizer),
-                                                         config.profile).as_dict()
+    proven = proof is not None and manifest.get("think_token_proof") == proof
     context = RunContext(
         config=config,
         tokenizer_fingerprint=tokenizer_fingerprint,
         target_fingerprint=fingerprint(config.target_model),
-        think_tokens=manifest["think_tokens"],
+        think_tokens=manifest["think_tokens"] if proven else
+        discover_think_tokens(load_tokenizer(config.model.tokenizer), config.profile).as_dict(),
     )
     if manifest.get("status") == "running":
         get_run_logger().warning(
