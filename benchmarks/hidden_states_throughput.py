@@ -220,7 +220,9 @@ def synthetic_states(tokens: int, hidden: int, massive: float, seed: int = 0) ->
         states = rows.to(torch.bfloat16)
         ids = torch.randint(0, 32000, (length,), generator=gen, dtype=torch.int32)
         mask = (torch.arange(length) >= length // 3).to(torch.uint8)
-        samples.append(Sample(f"s{i}", ids, mask, states[:, :3].reshape(length, 3 * hidden), states[:, 3].clone()))
+        # contiguous, as both backends hand states to the writer
+        samples.append(Sample(f"s{i}", ids, mask, states[:, :3].reshape(length, 3 * hidden).contiguous(),
+                              states[:, 3].contiguous()))
     target = TargetInfo("synthetic", 32, hidden, 32000, "synthetic", torch.ones(hidden), 1e-6)
     return target, lengths, samples
 

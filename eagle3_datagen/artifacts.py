@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, NotRequired, TypedDict
 
+import blake3
+
 from eagle3_datagen.holdout import NO_HOLDOUT, HoldoutSplit
 
 MANIFEST = "manifest.json"
@@ -112,13 +114,22 @@ def sha256_hex(*buffers: bytes | memoryview) -> str:
     return digest.hexdigest()
 
 
-HASH_BLOCK_BYTES = 16 << 20
-ENCODING_THREADS = min(8, os.cpu_count() or 1)  # blocks hashed, or samples compressed, at once
+ENCODING_THREADS = min(8, os.cpu_count() or 1)  # samples compressed, or blocks hashed, at once
 
 
-def blocks_sha256_hex(*buffers: bytes | memoryview, block_bytes: int = HASH_BLOCK_BYTES) -> str:
+def blake3_hex(*buffers: bytes | memoryview) -> str:
+    """The BLAKE3 of the buffers' bytes in turn, on several threads for large buffers: a hidden-state part's
+    checksum. One core hashes ~7.7 GB/s with it against ~2 GB/s with sha256 (`benchmarks/README.md`), so it keeps
+    up with a GPU's states and costs an S3 upload nothing it would notice."""
+    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    for buffer in buffers:
+        digest.update(buffer)  # releases the GIL
+    return digest.hexdigest()
+
+
+def blocks_sha256_hex(*buffers: bytes | memoryview, block_bytes: int) -> str:
     """The sha256 of the sha256 digests of the buffers' bytes cut into blocks of `block_bytes`, the blocks hashed
-    on several threads: one sha256 keeps up with about 1 GB/s on a core, a GPU's hidden states come faster.
+    on several threads: the checksum of a part of format /4, still read and checked.
 
     The blocks follow the bytes, not the buffers, so a file written as buffers and read back whole agree.
     """

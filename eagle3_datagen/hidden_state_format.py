@@ -6,7 +6,7 @@ Under `hidden_states/shard-NNNNN/` the extraction stage writes:
                           offsets [n+1] int64 (sample k is rows offsets[k]:offsets[k+1]); metadata names ids,
                           layers and the compression.
   final_norm.safetensors  the final RMSNorm's weight [H]; its eps in the metadata and the index.
-  index.json              parts with checksums (each part's blocks' sha256), sample id -> [part, row], layer
+  index.json              parts with checksums (each part's BLAKE3), sample id -> [part, row], layer
                           ids in both conventions, model fingerprint, compression (and fp8's cosine to the
                           model-dtype states). Written last: its presence means the shard is complete.
 
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, get_args
 import numpy as np
 import pyarrow as pa
 
-from eagle3_datagen.artifacts import ENCODING_THREADS, HASH_BLOCK_BYTES, blocks_sha256_hex, sha256_hex
+from eagle3_datagen.artifacts import ENCODING_THREADS, blake3_hex, blocks_sha256_hex, sha256_hex
 from eagle3_datagen.config import Compression, ModelDtype
 from eagle3_datagen.errors import ConfigurationError, UserError
 from eagle3_datagen.holdout import Split
@@ -47,10 +47,10 @@ from eagle3_datagen.storage import RunStore
 if TYPE_CHECKING:
     import torch
 
-# /4: a part's checksum is `sha256_blocks` (its blocks hashed on several threads); /3: parts may be compressed
-# (their metadata and the index say how), each part's checksum a plain `sha256`
-FORMAT = "eagle3-hidden-states/4"
-READABLE_FORMATS = ("eagle3-hidden-states/3", FORMAT)
+# /5: a part's checksum is `blake3`; /4: `sha256_blocks` (its blocks' sha256s); /3: parts may be compressed (their
+# metadata and the index say how), each part's checksum a plain `sha256`
+FORMAT = "eagle3-hidden-states/5"
+READABLE_FORMATS = ("eagle3-hidden-states/3", "eagle3-hidden-states/4", FORMAT)
 FINAL_STATE = "before_norm"
 FINAL_NORM_FILE = "final_norm.safetensors"
 DTYPES: tuple[str, ...] = get_args(ModelDtype)  # the model dtypes states are stored in
@@ -347,19 +347,23 @@ def check_format(index: dict[str, Any], index_rel: str) -> None:
     """An index of another format version or final-state convention is refused by name: its parts would be
     misread."""
     if index.get("format") not in READABLE_FORMATS or index.get("final_state") != FINAL_STATE:
+        readable = f"{', '.join(map(repr, READABLE_FORMATS[:-1]))} and {READABLE_FORMATS[-1]!r}"
         raise HiddenStatesError(
             f"{index_rel} is {index.get('format')!r} with its final state {index.get('final_state')!r}, this "
-            f"version reads {' and '.join(map(repr, READABLE_FORMATS))} ({FINAL_STATE}): run hidden_states again"
+            f"version reads {readable} ({FINAL_STATE}): run hidden_states again"
         )
 
 
 def part_checksum(buffers: list[memoryview]) -> dict[str, Any]:
-    """What the index keeps to check a part's bytes: its blocks' sha256 (see `blocks_sha256_hex`)."""
-    return {"sha256_blocks": {"block_bytes": HASH_BLOCK_BYTES, "digest": blocks_sha256_hex(*buffers)}}
+    """What the index keeps to check a part's bytes: their BLAKE3 (see `blake3_hex`)."""
+    return {"blake3": blake3_hex(*buffers)}
 
 
 def matches_checksum(data: bytes, part: dict[str, Any]) -> bool:
-    """A part's bytes against its index entry, whichever checksum it was written with (/3: a plain sha256)."""
+    """A part's bytes against its index entry, whichever checksum it was written with (/4: its blocks' sha256s,
+    /3: a plain sha256)."""
+    if "blake3" in part:
+        return blake3_hex(data) == part["blake3"]
     if "sha256" in part:
         return sha256_hex(data) == part["sha256"]
     blocks = part["sha256_blocks"]

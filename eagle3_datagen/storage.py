@@ -6,6 +6,7 @@ the old file or the new one, never half of one.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import posixpath
@@ -21,6 +22,7 @@ from fsspec.core import url_to_fs
 
 from eagle3_datagen.artifacts import SHARD_STAGES, ShardRef, artifact_path, sha256_hex, shard_index_of
 from eagle3_datagen.errors import ConfigurationError, UserError
+from eagle3_datagen.s3_upload import s3_upload
 
 T = TypeVar("T")
 _BACKOFF_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
@@ -56,6 +58,8 @@ class RunStore:
     def __init__(self, output_uri: str, run_name: str) -> None:
         self.fs, base = url_to_fs(output_uri)
         self._local = "file" in _protocols(self.fs)
+        self._s3 = "s3" in _protocols(self.fs)
+        self._bucket_made = False
         self.root = posixpath.join(base.rstrip("/"), run_name)
         self.uri = self.fs.unstrip_protocol(self.root) if not self._local else self.root
 
@@ -116,10 +120,13 @@ class RunStore:
         self.write_buffers(rel, [data])
 
     def write_buffers(self, rel: str, buffers: list[bytes | memoryview]) -> None:
-        """`write_bytes` of the buffers' bytes in turn; on local disk they are never joined in memory."""
+        """`write_bytes` of the buffers' bytes in turn; on local disk and S3 they are never joined in memory."""
         target = self.path(rel)
-        self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
-        if not self._local:  # one PUT, never a half-written object (a multipart upload is completed on close)
+        self._make_folder(posixpath.dirname(target))
+        if self._s3:  # never a half-written object: one PUT, or a multipart upload completed at its end
+            self._retrying(lambda: s3_upload(self.fs, target, buffers))
+            return
+        if not self._local:
             data = buffers[0] if len(buffers) == 1 else b"".join(buffers)
             self._retrying(lambda: self.fs.pipe_file(target, data))
             return
@@ -128,6 +135,12 @@ class RunStore:
             for buffer in buffers:
                 handle.write(buffer)
         self.fs.mv(tmp, target)
+
+    def _make_folder(self, folder: str) -> None:
+        """A local folder before each write; on an object store, which has no folders, its bucket once."""
+        if not self._bucket_made:
+            self.fs.makedirs(folder, exist_ok=True)
+            self._bucket_made = not self._local
 
     def write_text(self, rel: str, text: str) -> None:
         self.write_bytes(rel, text.encode("utf-8"))
@@ -211,7 +224,7 @@ class RunStore:
         """A streaming handle (multipart upload on S3 for large writes)."""
         target = self.path(rel)
         if "w" in mode or "a" in mode:
-            self.fs.makedirs(posixpath.dirname(target), exist_ok=True)
+            self._make_folder(posixpath.dirname(target))
         with self.fs.open(target, mode, **kwargs) as handle:
             yield handle
 
@@ -220,12 +233,22 @@ class RunStore:
 
         Listed afresh: another process may have written here since (s3fs would answer from its listing cache).
         """
+        return [posixpath.join(rel_dir, n) for n in self._names_in(rel_dir) if n.endswith(suffix) and ".tmp-" not in n]
+
+    def remove_all_but(self, rel_dir: str, kept: set[str]) -> None:
+        """Every file and folder directly in `rel_dir` not named in `kept`: what an earlier attempt left there, the
+        temporary files of a killed write included."""
+        for name in self._names_in(rel_dir):
+            if name not in kept:
+                self.remove(posixpath.join(rel_dir, name))
+
+    def _names_in(self, rel_dir: str) -> list[str]:
         folder = self.path(rel_dir)
         self.fs.invalidate_cache(folder)
-        if not self.fs.exists(folder):
+        try:
+            return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(folder, detail=False))
+        except FileNotFoundError:
             return []
-        names = sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(folder, detail=False))
-        return [posixpath.join(rel_dir, n) for n in names if n.endswith(suffix) and ".tmp-" not in n]
 
     def sizes(self, rel_dir: str) -> dict[str, int]:
         """Every file under `rel_dir`, at any depth, and its bytes: one listing (paginated on an object store),
@@ -243,7 +266,8 @@ class RunStore:
                 if (index := shard_index_of(posixpath.basename(rel))) is not None and index not in shards]
 
     def remove(self, rel: str) -> None:
-        if self.exists(rel):
+        """The file or folder `rel`, if there (no request to ask first)."""
+        with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(rel), recursive=True)
 
     def local_path(self, rel: str) -> str | None:

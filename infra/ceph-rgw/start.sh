@@ -31,7 +31,9 @@ mon data = $dir/mon/\$cluster-\$id
 osd data = $dir/osd/\$cluster-\$id
 [client.rgw.a]
 rgw data = $dir/rgw
-rgw frontends = beast endpoint=127.0.0.1:$port
+# Nagle's algorithm off: with it a batch delete, a listing or a multipart upload's start took ~40 ms here against
+# ~4 ms (the gateway's second small write waited for the client's delayed ACK)
+rgw frontends = beast endpoint=127.0.0.1:$port tcp_nodelay=1
 # a deleted object's data is freed within seconds, not after RGW's default 2 hours: repeated writes (a benchmark,
 # a long test session) would otherwise fill the in-memory OSD, and a full OSD blocks every write without an error
 rgw gc obj min wait = 0

@@ -89,12 +89,12 @@ def _list_column(column: pa.ChunkedArray, dtype: torch.dtype) -> list[torch.Tens
 class _PartWriter:
     """Buffers samples and writes a part as soon as it holds part_size_bytes, so a shard never sits in memory.
 
-    A part is encoded, hashed (its blocks on several threads) and written on a thread of its own while the next
-    one fills: hashing and writing release the GIL, so on a GPU they overlap the forward passes instead of adding
-    to them. The backends check the states are finite where they are made, before this. One part at a time, so at
-    most two are in memory. Under fp8 it keeps every stored row's cosine to the model-dtype row (4 floats per
-    token) for the index. Held-out samples go to parts of their own (marked `"split": "holdout"` in the index), so
-    training and evaluation each read only their own parts.
+    A part is encoded and written on a thread of its own while the next one fills, and hashed while it is written:
+    hashing and writing release the GIL, so on a GPU they overlap the forward passes, and each other, instead of
+    adding to them. The backends check the states are finite where they are made, before this. One part at a
+    time, so at most two are in memory. Under fp8 it keeps every stored row's cosine to the model-dtype row (4
+    floats per token) for the index. Held-out samples go to parts of their own (marked `"split": "holdout"` in the
+    index), so training and evaluation each read only their own parts.
     """
 
     def __init__(self, store: RunStore, folder: str, part_size_bytes: int, metadata: dict[str, str],
@@ -107,17 +107,21 @@ class _PartWriter:
         self._pending: dict[Split, list[Sample]] = {split: [] for split in SPLITS}
         self._pending_bytes: dict[Split, int] = dict.fromkeys(SPLITS, 0)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hidden-states-parts")
+        self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hidden-states-beside")
         self._writing: Future[object] | None = None
+        self._started: Future[object] | None = None
 
     def __enter__(self) -> _PartWriter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._thread.shutdown(wait=True)  # a part being written ends with the shard, never after it
+        self._beside.shutdown(wait=True)
 
     def first(self, work: Callable[[], object]) -> None:
-        """Run `work` on the writing thread before any part: storage round trips while the first part fills."""
-        self._writing = self._thread.submit(work)
+        """Run `work` before any part is written, beside the first part's filling and encoding: storage round
+        trips that would otherwise come before them."""
+        self._started = self._beside.submit(work)
 
     def add(self, sample: Sample, split: Split) -> None:
         self._pending[split].append(sample)
@@ -142,6 +146,8 @@ class _PartWriter:
         writing, self._writing = self._writing, None
         if writing is not None:
             writing.result()
+        if self._started is not None:
+            self._started.result()
 
     def _write(self, number: int, samples: list[Sample], split: Split) -> None:
         ids = [sample.id for sample in samples]
@@ -150,12 +156,27 @@ class _PartWriter:
         pieces["offsets"] = [torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int64)]
         encoded = encode_part(pieces, {**self.metadata, "sample_ids": json.dumps(ids)}, self.compression)
         name = f"part-{number:05d}.safetensors"
+        checksum = self._beside.submit(part_checksum, encoded.buffers)  # hashed while the bytes are written
+        if self._started is not None:
+            self._started.result()
         self.store.write_buffers(posixpath.join(self.folder, name), encoded.buffers)
         if encoded.cosines is not None:
             self.cosines.append(encoded.cosines)
         self.parts.append({"file": name, "num_samples": len(ids), "num_tokens": sum(lengths),
                            "bytes": sum(buffer.nbytes for buffer in encoded.buffers),
-                           **part_checksum(encoded.buffers), **({"split": split} if split != "train" else {})})
+                           **checksum.result(), **({"split": split} if split != "train" else {})})
+
+
+def norm_file(target: TargetInfo) -> bytes:
+    """The final norm's weight, which every reader of the final state applies (its eps in the metadata)."""
+    return save_safetensors({"weight": target.norm_weight.contiguous()}, metadata={"eps": repr(target.norm_eps)})
+
+
+def start_folder(store: RunStore, index_rel: str, norm: bytes) -> None:
+    """The old index goes first: a crash after this must not leave it vouching for new parts (which replace the
+    old ones in place; the rest goes before the new index)."""
+    store.remove(index_rel)
+    store.write_bytes(posixpath.join(posixpath.dirname(index_rel), FINAL_NORM_FILE), norm)
 
 
 def write_shard(
@@ -174,9 +195,9 @@ def write_shard(
     folder = posixpath.dirname(index_rel)
     layer_ids = {"input_to_layer": aux_layers, "output_of_layer": [i - 1 for i in aux_layers]}
     metadata = {"format": FORMAT, "aux_layers": json.dumps(layer_ids), "final_state": FINAL_STATE}
+    norm = norm_file(target)
     with _PartWriter(store, folder, settings.part_size_bytes, metadata, settings.compression) as writer:
-        # the old folder goes first, its index with it: a crash below must not leave it vouching for new parts
-        writer.first(lambda: store.remove(folder))
+        writer.first(lambda: start_folder(store, index_rel, norm))
         sequences = read_sequences(store, sequences_ref, target.vocab_size)
         split_of = {sequence.id: sequence.split for sequence in sequences}
         with contextlib.closing(samples(sequences, aux_layers)) as stream:  # closed now, also when add() raises
@@ -185,8 +206,8 @@ def write_shard(
         for split in SPLITS:
             writer.flush(split)
         writer.wait()
-    norm_file = save_safetensors({"weight": target.norm_weight.contiguous()}, metadata={"eps": repr(target.norm_eps)})
-    store.write_bytes(posixpath.join(folder, FINAL_NORM_FILE), norm_file)
+    # what an earlier extraction of the shard left that the new index will not name: its later parts, say
+    store.remove_all_but(folder, {FINAL_NORM_FILE, *(part["file"] for part in writer.parts)})
     index = {
         "format": FORMAT,
         "shard": shard_index,
@@ -201,7 +222,7 @@ def write_shard(
         **({"fp8_cosine": cosine_summary(torch.cat(writer.cosines))} if writer.cosines else {}),
         "aux_layers": layer_ids,
         "final_state": FINAL_STATE,
-        "final_norm": {"file": FINAL_NORM_FILE, "eps": target.norm_eps, "sha256": sha256_hex(norm_file)},
+        "final_norm": {"file": FINAL_NORM_FILE, "eps": target.norm_eps, "sha256": sha256_hex(norm)},
         "model": {"path": target.path, "fingerprint": target.fingerprint},
         "parts": writer.parts,
         "samples": writer.rows,

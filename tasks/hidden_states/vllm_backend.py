@@ -239,5 +239,7 @@ def served_sample(
             f"eagle_aux_hidden_state_layer_ids {layer_ids}"
         )
     check_finite(states[None], [seq.id])
-    aux = states[:, :-1].reshape(len(input_ids), -1)  # [T, 3, H] -> [T, 3H]: the layers side by side, in order
+    # [T, 3, H] -> [T, 3H], the layers side by side in order: copied here, beside the previous part's upload,
+    # rather than by the part's encoding on the writing thread, just before its own
+    aux = states[:, :-1].reshape(len(input_ids), -1).contiguous()
     return Sample(seq.id, seq.input_ids, seq.loss_mask, aux, states[:, -1].contiguous())

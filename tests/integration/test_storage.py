@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import re
@@ -67,6 +68,51 @@ def test_large_streamed_write_reads_back(store: RunStore) -> None:
     with store.open("hidden_states/shard-00000/part-00000.safetensors", "wb", block_size=5 << 20) as handle:
         handle.write(payload)
     assert store.read_bytes("hidden_states/shard-00000/part-00000.safetensors") == payload
+
+
+def test_a_file_written_as_buffers_is_their_bytes_in_turn_never_joined_in_memory(
+        store: RunStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hidden-state part is written from its tensors' buffers: on S3 as a multipart upload whose chunks cut
+    across them, each request reading its window of the buffers, so the file is never held twice."""
+    import tracemalloc
+
+    monkeypatch.setattr("eagle3_datagen.s3_upload.PART_BYTES", 5 << 20)  # the least S3 takes: 3 chunks here
+    payload = os.urandom(12 << 20)
+    cuts = [0, 8, 3 << 20, (3 << 20) + 1, 7 << 20, 12 << 20]  # a header, then pieces across the chunks' edges
+    buffers = [memoryview(payload)[start:end] for start, end in itertools.pairwise(cuts)]
+    tracemalloc.start()
+    try:
+        store.write_buffers("hidden_states/shard-00000/part-00000.safetensors", buffers)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert store.read_bytes("hidden_states/shard-00000/part-00000.safetensors") == payload
+    assert peak < len(payload) // 2, f"{peak:,} bytes allocated at once to write {len(payload):,}"
+
+
+def test_an_s3_upload_that_fails_midway_leaves_neither_the_object_nor_its_chunks(
+        s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from s3fs.core import S3FileSystem
+
+    store = RunStore(f"s3://eagle3-test/{tmp_path.name}", "run")
+    monkeypatch.setattr("eagle3_datagen.s3_upload.PART_BYTES", 5 << 20)
+    call = S3FileSystem._call_s3
+
+    async def refuse_the_second_chunk(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "upload_part" and kwargs["PartNumber"] == 2:
+            raise PermissionError("refused by the test")
+        return await call(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(S3FileSystem, "_call_s3", refuse_the_second_chunk)
+    with pytest.raises(PermissionError, match="refused by the test"):
+        store.write_bytes("hidden_states/shard-00000/part-00000.safetensors", os.urandom(12 << 20))
+    monkeypatch.setattr(S3FileSystem, "_call_s3", call)
+    assert not store.exists("hidden_states/shard-00000/part-00000.safetensors")
+    from fsspec.asyn import sync
+
+    uploads = sync(store.fs.loop, store.fs._call_s3, "list_multipart_uploads", Bucket="eagle3-test",
+                   Prefix=tmp_path.name)
+    assert uploads.get("Uploads", []) == []
 
 
 @pytest.mark.parametrize("bad", ["../other-run/manifest.json", "/etc/passwd", "a/../../b", "..", "a\\..\\b"])

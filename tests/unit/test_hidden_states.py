@@ -487,23 +487,34 @@ def test_a_shard_of_the_format_before_compression_is_refused_by_name(bf16: Targe
     index_rel = artifact_path("hidden_states", 0)
     store.write_json(index_rel, {**store.read_json(index_rel), "format": "eagle3-hidden-states/2"})
     with pytest.raises(HiddenStatesError, match=r"is 'eagle3-hidden-states/2' with its final state 'before_norm', "
-                                                r"this version reads 'eagle3-hidden-states/3' and "
-                                                r"'eagle3-hidden-states/4' \(before_norm\): run hidden_states again"):
+                                                r"this version reads 'eagle3-hidden-states/3', "
+                                                r"'eagle3-hidden-states/4' and 'eagle3-hidden-states/5' "
+                                                r"\(before_norm\): run hidden_states again"):
         list(read_hidden_state_shard(store, index_rel))
 
 
-def test_a_shard_of_the_format_with_a_plain_sha256_per_part_stays_readable(bf16: TargetModel, store: RunStore
-                                                                           ) -> None:
-    """/3 parts were checked by one sha256 each; a run written then reads (and refuses a changed byte) as it did."""
+OLDER_CHECKSUMS = {
+    "eagle3-hidden-states/3": lambda data: {"sha256": sha256_hex(data)},
+    "eagle3-hidden-states/4": lambda data: {"sha256_blocks": {"block_bytes": 1000,
+                                                              "digest": blocks_sha256_hex(data, block_bytes=1000)}},
+}
+
+
+@pytest.mark.parametrize("old_format", OLDER_CHECKSUMS)
+def test_a_shard_of_a_format_with_an_older_part_checksum_stays_readable(old_format: str, bf16: TargetModel,
+                                                                         store: RunStore) -> None:
+    """/3 parts were checked by one sha256 each, /4 parts by their blocks' sha256s: a run written then reads (and
+    refuses a changed byte) as it did."""
     extract_with(store, bf16, "none")
     index_rel = artifact_path("hidden_states", 0)
     now = store.read_json(index_rel)
-    parts = [{**{key: value for key, value in part.items() if key != "sha256_blocks"},
-              "sha256": sha256_hex(store.read_bytes(f"hidden_states/shard-00000/{part['file']}"))}
+    assert all(set(part) & {"blake3", "sha256", "sha256_blocks"} == {"blake3"} for part in now["parts"])
+    parts = [{**{key: value for key, value in part.items() if key != "blake3"},
+              **OLDER_CHECKSUMS[old_format](store.read_bytes(f"hidden_states/shard-00000/{part['file']}"))}
              for part in now["parts"]]
     part_rel = f"hidden_states/shard-00000/{parts[-1]['file']}"
     data = store.read_bytes(part_rel)
-    store.write_json(index_rel, {**now, "format": "eagle3-hidden-states/3", "parts": parts})
+    store.write_json(index_rel, {**now, "format": old_format, "parts": parts})
     assert [s.id for s in read_hidden_state_shard(store, index_rel)] == sorted(now["samples"], key=now["samples"].get)
     store.write_bytes(part_rel, data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(HiddenStatesError, match="does not match its checksum"):
@@ -516,7 +527,8 @@ def test_a_block_checksum_follows_the_bytes_not_the_buffers_they_were_written_as
     assert blocks_sha256_hex(data[:7], data[7:2500], data[2500:], block_bytes=1000) == whole
     assert blocks_sha256_hex(data[:-1] + b"\x00", block_bytes=1000) != whole
     assert blocks_sha256_hex(data, block_bytes=2000) != whole, "the block size is part of the checksum"
-    assert blocks_sha256_hex(b"abc") == sha256_hex(bytes.fromhex(sha256_hex(b"abc"))), "one block: sha256 of sha256"
+    assert blocks_sha256_hex(b"abc", block_bytes=1000) == sha256_hex(bytes.fromhex(sha256_hex(b"abc"))), \
+        "one block: sha256 of sha256"
 
 
 def test_fp8_on_a_torch_without_float8_is_one_line_naming_the_fix() -> None:
