@@ -118,10 +118,10 @@ ENCODING_THREADS = min(8, os.cpu_count() or 1)  # samples compressed, or blocks 
 
 
 def blake3_hex(*buffers: bytes | memoryview) -> str:
-    """The BLAKE3 of the buffers' bytes in turn, on several threads for large buffers: a hidden-state part's
-    checksum. One core hashes ~7.7 GB/s with it against ~2 GB/s with sha256 (`benchmarks/README.md`), so it keeps
-    up with a GPU's states and costs an S3 upload nothing it would notice."""
-    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    """The BLAKE3 of the buffers' bytes in turn: a hidden-state part's checksum. One core hashes ~7.7 GB/s with it
+    against ~2 GB/s with sha256 (`benchmarks/README.md`): it keeps up with a GPU's states on one thread, and a
+    second would take a core from the write it runs beside."""
+    digest = blake3.blake3()
     for buffer in buffers:
         digest.update(buffer)  # releases the GIL
     return digest.hexdigest()
