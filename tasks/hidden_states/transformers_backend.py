@@ -6,7 +6,7 @@ import io
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import torch
@@ -109,11 +109,41 @@ _cached_target_model = lru_cache(maxsize=1)(fresh_target_model)
 _FORWARD_LOCK = threading.Lock()
 
 
+Rows = list[tuple[torch.Tensor | Fp8States, torch.Tensor | Fp8States]]
+
+
+@dataclass
+class HostStates:
+    """A batch's states on their way to the host. From a GPU they cross into pinned memory on a copy stream of
+    their own, so the next batch's forward pass runs while they do: `rows()` waits for the copy, then gives per
+    sequence (aux [t, 3H], final [t, H]), unpadded."""
+
+    _rows: Rows
+    _copied: Any = None  # the copy stream's torch.cuda.Event, recorded after the batch's copies
+
+    @property
+    def crossing(self) -> bool:
+        return self._copied is not None
+
+    def rows(self) -> Rows:
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._rows
+
+
 def capture_batch(
     target: TargetModel, aux_layers: Sequence[int], sequences: Sequence[torch.Tensor],
     ids: Sequence[str] | None = None, fp8: bool = False, pixels: dict[str, torch.Tensor] | None = None,
-) -> list[tuple[torch.Tensor | Fp8States, torch.Tensor | Fp8States]]:
-    """One forward pass over a right-padded batch; per sequence (aux [t, 3H], final [t, H]) on CPU, unpadded.
+) -> Rows:
+    """One forward pass over a right-padded batch; per sequence (aux [t, 3H], final [t, H]) on CPU, unpadded."""
+    return launch_batch(target, aux_layers, sequences, ids, fp8, pixels).rows()
+
+
+def launch_batch(
+    target: TargetModel, aux_layers: Sequence[int], sequences: Sequence[torch.Tensor],
+    ids: Sequence[str] | None = None, fp8: bool = False, pixels: dict[str, torch.Tensor] | None = None,
+) -> HostStates:
+    """One forward pass over a right-padded batch, its states sent on to the host (`HostStates`).
 
     Hooks keep only the needed states: output_hidden_states would hold all N+1 of them for the whole batch. They
     are checked finite on the model's device, before the copy (a sample named by `ids`, else by its row), and with
@@ -168,14 +198,42 @@ def capture_batch(
     check_finite(final, names, lengths, "final_hidden_states")
     if fp8:
         flat = len(sequences) * longest
-        aux_fp8 = quantize_fp8(aux.reshape(flat, -1), target.hidden_size).to("cpu")
-        final_fp8 = quantize_fp8(final.reshape(flat, -1), target.hidden_size).to("cpu")
-        return [(aux_fp8.rows(row * longest, row * longest + len(seq)),
-                 final_fp8.rows(row * longest, row * longest + len(seq))) for row, seq in enumerate(sequences)]
+        quantized = [quantize_fp8(aux.reshape(flat, -1), target.hidden_size),
+                     quantize_fp8(final.reshape(flat, -1), target.hidden_size)]
+        tensors = [tensor for states in quantized for tensor in (states.values, states.scale, states.cosines)]
+        host, copied = to_host(tensors)
+        aux_fp8, final_fp8 = (Fp8States(*host[3 * i: 3 * i + 3], states.dtype) for i, states in enumerate(quantized))
+        return HostStates([(aux_fp8.rows(row * longest, row * longest + len(seq)),
+                            final_fp8.rows(row * longest, row * longest + len(seq)))
+                           for row, seq in enumerate(sequences)], copied)
     # one copy to the host per batch, not per row and layer: each row is then a view of it (padding dropped)
-    aux = aux.cpu()
-    final = final.to("cpu", copy=True)
-    return [(aux[row, : len(seq)], final[row, : len(seq)]) for row, seq in enumerate(sequences)]
+    (aux, final), copied = to_host([aux, final])
+    return HostStates([(aux[row, : len(seq)], final[row, : len(seq)]) for row, seq in enumerate(sequences)], copied)
+
+
+def to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], Any]:
+    """The tensors on the host, and what to wait on before reading them: from a GPU, pinned buffers filled on the
+    device's copy stream (and the event recorded after them), otherwise moved now, the same tensors when they
+    were made on the host (and None)."""
+    device = tensors[0].device
+    if device.type != "cuda":
+        return [tensor.to("cpu") for tensor in tensors], None  # made on the host: the same tensors
+    stream = _copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the states are made before they are copied
+    host = [torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) for tensor in tensors]
+    with torch.cuda.stream(stream):
+        for source, pinned in zip(tensors, host, strict=True):
+            pinned.copy_(source, non_blocking=True)
+            source.record_stream(stream)  # its memory is not handed out again before the copy is done
+        copied = torch.cuda.Event()
+        copied.record(stream)
+    return host, copied
+
+
+@cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
 
 def _check_final_norm(before: torch.Tensor, after: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """The stored before-norm state must give the model's own after-norm state, or a SpecForge export would be off."""
@@ -217,11 +275,20 @@ def extract_shard(
 
     def samples(sequences: list[TokenSequence], aux_layers: list[int]) -> Generator[Sample, None, None]:
         texts = [seq for seq in sequences if not seq.images]
-        for batch in plan_batches([len(seq.input_ids) for seq in texts], settings.max_tokens_per_batch):
-            states = capture_batch(target, aux_layers, [texts[i].input_ids for i in batch],
-                                   [texts[i].id for i in batch], fp8=fp8)
-            for i, (aux, final) in zip(batch, states, strict=True):
+
+        def batch_samples(batch: list[int], states: HostStates) -> Generator[Sample, None, None]:
+            for i, (aux, final) in zip(batch, states.rows(), strict=True):
                 yield Sample(texts[i].id, texts[i].input_ids, texts[i].loss_mask, aux, final)
+
+        launched: list[tuple[list[int], HostStates]] = []
+        for batch in plan_batches([len(seq.input_ids) for seq in texts], settings.max_tokens_per_batch):
+            launched.append((batch, launch_batch(target, aux_layers, [texts[i].input_ids for i in batch],
+                                                 [texts[i].id for i in batch], fp8=fp8)))
+            # a batch still crossing to the host waits for the next forward pass to be launched beside it
+            while launched and (len(launched) > 1 or not launched[0][1].crossing):
+                yield from batch_samples(*launched.pop(0))
+        for batch, states in launched:
+            yield from batch_samples(batch, states)
         for seq in sequences:  # one at a time: each brings its own images
             if seq.images:
                 (aux, final), = capture_batch(target, aux_layers, [seq.input_ids], [seq.id], fp8=fp8,

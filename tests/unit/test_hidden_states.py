@@ -470,6 +470,29 @@ def test_a_zstd_part_of_format_3_one_stream_per_state_stays_readable(bf16: Targe
                    for name in STATE_TENSORS)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/README.md: the GPU phase)")
+@pytest.mark.parametrize("compression", ["none", "fp8"])
+def test_a_shard_extracted_on_a_gpu_is_the_host_shard_its_copies_crossing_beside_the_next_forward(
+        model_dir: str, tmp_path: Path, compression: str) -> None:
+    """On a GPU each batch's states cross to pinned host memory on a copy stream of their own while the next
+    forward runs; the shard must read back as the one extracted on the host."""
+    from tasks.hidden_states.transformers_backend import launch_batch
+
+    gpu = load_target_model(model_dir, "bfloat16", "cuda")
+    crossing = launch_batch(gpu, AUX, [torch.arange(9)], fp8=compression == "fp8")
+    assert crossing.crossing
+    assert all(not tensor.is_cuda for tensor in crossing.rows()[0] if isinstance(tensor, torch.Tensor))
+    _, on_gpu = extract_with(RunStore(str(tmp_path), "gpu"), gpu, compression)
+    _, on_host = extract_with(RunStore(str(tmp_path), "host"), load_target_model(model_dir, "bfloat16", "cpu"),
+                              compression)
+    assert [sample.id for sample in on_gpu] == [sample.id for sample in on_host]
+    for a, b in zip(on_gpu, on_host, strict=True):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+        for name in STATE_TENSORS:  # bf16 kernels differ between devices, not the states' layout
+            cosine = torch.nn.functional.cosine_similarity(getattr(a, name).float(), getattr(b, name).float(), -1)
+            assert cosine.min() > 0.99, (a.id, name)
+
+
 def test_the_run_report_says_what_fp8_cost_over_its_shards() -> None:
     stats = [{"rows": 400, "min": 0.9981, "p1": 0.9993, "p50": 0.9997, "mean": 0.9996, "under_0.999": 3},
              {"rows": 800, "min": 0.9994, "p1": 0.9995, "p50": 0.9996, "mean": 0.9996, "under_0.999": 0}]
