@@ -127,7 +127,7 @@ class TrainingReader(IterableDataset):
     on when shards finish. Ranks get whole parts, so their sample counts differ by up to a part.
 
     Whole parts, never ranged reads: every part is read once, whole, through `read_part`, which checks its
-    sha256 against the shard's index. A reader that shuffles across parts consumes every row of a part anyway;
+    checksum against the shard's index. A reader that shuffles across parts consumes every row of a part anyway;
     ranged reads of a part's header and rows would save no bytes, could not be checked (the index holds the
     whole part's hash) and would not work on compressed parts. A worker holds one part (`part_size_bytes`,
     1 GiB by default) while it yields its samples, plus its bytes while decoding.
