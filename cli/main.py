@@ -19,10 +19,10 @@ PROGRESS_S = 5.0  # between `evaluate`'s progress lines
 RUNS_A_FLOW = ("run", "demo", "rerun-failed")
 
 
-def _run(config: Any, regenerate: bool = False) -> dict[str, Any]:
+def _run(config: Any) -> dict[str, Any]:
     from cli.runner import run_pipeline
 
-    return run_pipeline(config, regenerate)
+    return run_pipeline(config)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -46,8 +46,9 @@ def cmd_rerun_failed(args: argparse.Namespace) -> int:
     config = recorded_config(args.run, args.set)
     store = RunStore.at(args.run)
     print(rerun_plan(verify_run(store), args.redo_quarantined), flush=True)
-    reopened = reopen_quarantined(store) if args.redo_quarantined else []
-    return _print_summary(_run(config, regenerate=bool(reopened)))
+    if args.redo_quarantined:
+        reopen_quarantined(store)
+    return _print_summary(_run(config))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

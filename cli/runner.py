@@ -104,7 +104,7 @@ def _all_cached(tasks: int) -> str:
     return f"all {tasks} work tasks cached: nothing recomputed, no request sent to any server"
 
 
-def run_pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]:
+def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     """Run the flow; returns the run summary plus one line per stage (task states and time)."""
     from cli.local_api import wait_for_local_api
     from flows.pipeline import pipeline_for
@@ -117,7 +117,7 @@ def run_pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, 
     wait_for_local_api()
     with RunLog(store) as log:
         flow = pipeline_for(config).with_options(result_storage=result_storage_for(config))
-        state = flow(config, regenerate, return_state=True)
+        state = flow(config, return_state=True)
         try:
             summary = state.result()
         except UserError as error:

@@ -34,6 +34,7 @@ MANIFEST = "manifest.json"
 # 2: `format_version` itself, and `totals` under machine keys (RunTotals); 1 (no key) had the report's labels
 MANIFEST_FORMAT = 2
 PROMPTS_SUMMARY = "prompts/summary.json"  # rows read, accepted and rejected by the prompt stage
+PROMPTS_DONE = "prompts/done.json"  # the prompt stage's key and result, written after every shard
 IMAGE_FILES = "prompts/image_files.json"  # the local image files the prompt stage read, as they were then
 REJECTED_PATH = "rejected/prompts.jsonl"  # input rows that gave no prompt, with their reasons
 TIMELINE = "generations/timeline.jsonl"  # generation's progress over time, for the report's latency plot
@@ -190,6 +191,11 @@ class ShardRef:
     num_records: int
     sha256: str
 
+    @classmethod
+    def of_marker(cls, marker: dict[str, Any]) -> ShardRef:
+        """The reference a shard's completion marker vouches for."""
+        return cls(*(marker[name] for name in ("stage", "index", "path", "num_records", "sha256")))
+
 
 @dataclass(frozen=True)
 class PromptLoadResult:
@@ -204,6 +210,14 @@ class PromptLoadResult:
     images: int = 0  # distinct images stored in the run
     image_prompts: int = 0  # prompts that show at least one
     images_shown: int = 0  # images in all prompts, each time it is shown
+
+    def as_record(self) -> dict[str, Any]:
+        return {**asdict(self), "holdout": self.holdout.model_dump()}
+
+    @classmethod
+    def of_record(cls, record: dict[str, Any]) -> PromptLoadResult:
+        return cls(**{**record, "shards": [ShardRef(**ref) for ref in record["shards"]],
+                      "holdout": HoldoutSplit.model_validate(record["holdout"])})
 
 
 @dataclass(frozen=True)

@@ -158,10 +158,17 @@ def split_inline_reasoning(text: str, profile: ModelProfile) -> tuple[str, str] 
     return reasoning, text[end + len(profile.think_end) :]
 
 
-def read_message(message: Mapping[str, Any], profile: ModelProfile) -> tuple[str, str, str]:
-    """(reasoning, content, source) from a chat message."""
+def read_message(message: Any, profile: ModelProfile) -> tuple[str, str, str]:
+    """(reasoning, content, source) from a chat message; ProtocolError for a message that breaks the protocol."""
+    if not isinstance(message, dict):
+        raise _malformed("message is not an object", message)
     content = message.get("content") or ""
+    if not isinstance(content, str):
+        raise _malformed("content is not a string", message)
     found = {name: message[name] for name in REASONING_FIELDS if message.get(name)}
+    for name, text in found.items():
+        if not isinstance(text, str):
+            raise _malformed(f"{name} is not a string", message)
     if len(set(found.values())) > 1:
         raise ProtocolError("server sent different `reasoning` and `reasoning_content`; refusing to guess")
     if found:
@@ -170,6 +177,11 @@ def read_message(message: Mapping[str, Any], profile: ModelProfile) -> tuple[str
     if split is not None:
         return split[0], split[1], "inline"
     return "", content, "none"
+
+
+def _malformed(what: str, part: Any) -> ProtocolError:
+    """What broke the protocol, with the start of the part it is in: the error goes to logs and rejections."""
+    return ProtocolError(f"{what}: {json.dumps(part)[:200]}")
 
 
 def _unread_text_fields(message: Mapping[str, Any]) -> dict[str, str]:
@@ -190,14 +202,27 @@ def _tool_calls(calls: Any) -> list[dict[str, Any]] | None:
             for call in calls]
 
 
-def parse_chat_response(body: Mapping[str, Any], profile: ModelProfile) -> list[Completion]:
-    """Every choice of a chat completion response."""
-    choices = body.get("choices")
+def parse_chat_response(body: Any, profile: ModelProfile) -> list[Completion]:
+    """Every choice of a chat completion response. Any shape the protocol does not allow is a ProtocolError, so a
+    broken answer is retried and counted against its endpoint like an HTTP 500, never a crash."""
+    choices = body.get("choices") if isinstance(body, dict) else None
     if not isinstance(choices, list) or not choices:
-        raise ProtocolError(f"response has no choices: {json.dumps(body)[:200]}")
+        raise _malformed("response has no choices", body)
+    usage = body.get("usage") or {}
+    if not isinstance(usage, dict):
+        raise _malformed("usage is not an object", body)
+    prompt_token_ids = body.get("prompt_token_ids")
+    if not isinstance(prompt_token_ids, list | None):
+        raise _malformed("prompt_token_ids is not a list", body)
     completions = []
     for choice in choices:
-        message = choice.get("message") or {}
+        if not isinstance(choice, dict):
+            raise _malformed("a choice is not an object", body)
+        completion_token_ids = choice.get("token_ids")
+        if not isinstance(completion_token_ids, list | None):
+            raise _malformed("a choice's token_ids is not a list", body)
+        message = choice.get("message")
+        message = {} if message is None else message
         reasoning, content, source = read_message(message, profile)
         completions.append(
             Completion(
@@ -205,9 +230,9 @@ def parse_chat_response(body: Mapping[str, Any], profile: ModelProfile) -> list[
                 content=content,
                 finish_reason=choice.get("finish_reason"),
                 reasoning_source=source,
-                prompt_token_ids=body.get("prompt_token_ids"),
-                completion_token_ids=choice.get("token_ids"),
-                usage=body.get("usage") or {},
+                prompt_token_ids=prompt_token_ids,
+                completion_token_ids=completion_token_ids,
+                usage=usage,
                 model=body.get("model", ""),
                 unread_fields=_unread_text_fields(message),
                 tool_calls=_tool_calls(message.get("tool_calls")),

@@ -57,14 +57,12 @@ from tasks.verify import (
 @flow(name="eagle3-datagen", flow_run_name=run_named(), log_prints=True, on_completion=[close_run_log],
       on_failure=[record_run_end("failed"), close_run_log], on_crashed=[record_run_end("failed"), close_run_log],
       on_cancellation=[record_run_end("cancelled"), close_run_log])
-def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]:
+def pipeline(config: PipelineConfig) -> dict[str, Any]:
     """Turn a prompt dataset into EAGLE-3 training data; every stage resumes and caches by content.
 
     Args:
         config: The run, section by section as in the YAML config (data, model, server, generation, validation,
             sequences, hidden states).
-        regenerate: Look at storage again instead of trusting generation's cache (after shards were reopened;
-            done anyway while a shard's generations have no completion marker).
     """
     user_errors_one_line_in_the_ui()
     config = settled_output(config)
@@ -84,8 +82,7 @@ def pipeline(config: PipelineConfig, regenerate: bool = False) -> dict[str, Any]
     unmarked = unmarked_shards(prompts.shards, run=run)  # unfinished, or found changed by a later stage
     if unfinished_shards(unmarked, run=run):
         check_servers(prompts.shards, check=ServerCheck.from_config(config), run=run)
-    generation_task = generate.with_options(refresh_cache=True) if regenerate or unmarked else generate
-    generation = generation_task.submit(prompts.shards, job=job, server=config.server, run=run)
+    generation = generate.submit(prompts.shards, job=job, server=config.server, run=run)
     generated = generated_shards(allow_failure(generation), run=run)  # a failed shard holds none back
 
     validated = validate_generations.map(
@@ -117,7 +114,7 @@ class RunNotVerified(UserError):
 pipeline_on_ray = pipeline.with_options(name="eagle3-datagen-ray", task_runner=ClusterTaskRunner())
 
 
-def pipeline_for(config: PipelineConfig) -> Flow[[PipelineConfig, bool], dict[str, Any]]:
+def pipeline_for(config: PipelineConfig) -> Flow[[PipelineConfig], dict[str, Any]]:
     """The pipeline on the task runner a config asks for: a recorded Ray run is re-run on Ray."""
     return pipeline.with_options(task_runner=task_runner_for(config.execution))
 
@@ -146,9 +143,10 @@ def rerun_failed(run: str, redo_quarantined: bool = False) -> dict[str, Any]:
     user_errors_one_line_in_the_ui()
     run = settled_run(run)
     print(rerun_plan(verify_run(RunStore.at(run)), redo_quarantined))
-    reopened = reopen_quarantined_shards(run) if redo_quarantined else []
+    if redo_quarantined:
+        reopen_quarantined_shards(run)
     config = recorded_config(run)
-    return pipeline_for(config)(config, regenerate=bool(reopened))
+    return pipeline_for(config)(config)
 
 
 @flow(name="eagle3-extract-only", flow_run_name=run_named("extract-only"), log_prints=True)

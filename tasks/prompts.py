@@ -23,6 +23,7 @@ from prefect.exceptions import MissingContextError
 
 from eagle3_datagen.artifacts import (
     IMAGE_FILES,
+    PROMPTS_DONE,
     PROMPTS_SUMMARY,
     REJECTED_PATH,
     PromptLoadResult,
@@ -30,7 +31,7 @@ from eagle3_datagen.artifacts import (
     sha256_hex,
     shard_name,
 )
-from eagle3_datagen.caching import stage_cache
+from eagle3_datagen.caching import StageOutput
 from eagle3_datagen.config import DataConfig, ImagesConfig, PipelineConfig
 from eagle3_datagen.conversations import user_turns
 from eagle3_datagen.errors import Eagle3Error, Log, UserError, retry_unless_user_error
@@ -749,12 +750,24 @@ def build_prompt_shards(data: DataConfig, store: RunStore, log: Log = logger,
     return result
 
 
+# Bump `version` when the shards, rejections or summary written for the same data and settings change.
+PROMPTS = StageOutput("prompts", version=1, record=lambda settings: PROMPTS_DONE)
+
+
 @task(name="load-prompts", task_run_name="{run.run_name}/load-prompts", retries=1,
-      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=stage_cache(__name__))
+      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=PROMPTS.cache_policy("settings"))
 def load_prompts(settings: PromptSettings, run: RunLocation) -> PromptLoadResult:
-    """Prefect task: stage 2 for the run folder `run`."""
+    """Prefect task: stage 2 for the run folder `run`; shards made under this key already are read from their
+    record, not from the dataset."""
+    store = run.store()
+    key = PROMPTS.key(settings=settings)
+    if (done := PROMPTS.done(store, settings, key)) is not None:
+        return PromptLoadResult.of_record(done["result"])
     try:
         log: Log = get_run_logger()
     except MissingContextError:  # called as a plain function (`load_prompts.fn`)
         log = logger
-    return build_prompt_shards(settings.data, run.store(), log, settings.modes)
+    store.remove(PROMPTS_DONE)  # nothing vouches for shards while they are cut again
+    result = build_prompt_shards(settings.data, store, log, settings.modes)
+    store.write_json(PROMPTS_DONE, {"stage_key": key, "result": result.as_record()})
+    return result

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from prefect import task
 
 from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, prompt_id_of, rejected_path
-from eagle3_datagen.caching import OutputMadeFrom, stage_cache
+from eagle3_datagen.caching import StageOutput
 from eagle3_datagen.config import PipelineConfig, SequencesConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.holdout import NO_HOLDOUT, HoldoutSplit, Split
@@ -383,17 +383,26 @@ class SequenceSettings:
                    config.validation.max_rebuild_mismatch_rate, holdout)
 
 
+# Bump `version` when the sequences or rejections written for the same input and settings change.
+SEQUENCES = StageOutput("sequences", version=1, record=lambda generations: artifact_path("sequences",
+                                                                                         generations.index),
+                        marked=True)
+
+
 @task(name="build-sequences", task_run_name="{run.run_name}/build-sequences-{generations.index:05d}", retries=1,
       retry_condition_fn=retry_unless_user_error, persist_result=True,
-      cache_policy=stage_cache(__name__) + OutputMadeFrom(
-          input_name="generations", record=lambda index: marker_path(artifact_path("sequences", index)),
-          key="generations_sha256", output=lambda index: artifact_path("sequences", index)))
+      cache_policy=SEQUENCES.cache_policy("generations", "settings"))
 def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run: RunLocation) -> ShardRef:
-    """sequences/shard-NNNNN.parquet from a validated generations shard.
+    """sequences/shard-NNNNN.parquet from a validated generations shard; a shard made under this key already is
+    handed on as it is.
 
     Rejected samples are written first, so a shard stopped for too many count mismatches keeps its reasons.
     """
     store = run.store()
+    key = SEQUENCES.key(generations=generations, settings=settings)
+    if (done := SEQUENCES.done(store, generations, key)) is not None:
+        return ShardRef.of_marker(done)
+    store.remove(marker_path(artifact_path("sequences", generations.index)))  # nothing vouches for a half-rewrite
     tok = load_tokenizer(settings.tokenizer)
     spec = discover_think_tokens(tok, settings.profile)
     max_rebuild_mismatch_rate = settings.max_rebuild_mismatch_rate
@@ -421,5 +430,6 @@ def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run:
     account = {"accepted_prompts": len(accepted), "rejected_samples": len(rejected), "rejected_bytes": rejected_bytes,
                "rejected_prompts": len({prompt_id_of(row["id"]) for row in rejected} - accepted)}
     return store.write_shard_bytes("sequences", generations.index, to_parquet(tables),
-                                   sum(table.num_rows for table in tables), generations_sha256=generations.sha256,
+                                   sum(table.num_rows for table in tables), stage_key=key,
+                                   generations_sha256=generations.sha256,
                                    **account)

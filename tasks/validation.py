@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, rejected_path, shard_name, ui_key
-from eagle3_datagen.caching import OutputMadeFrom, stage_cache
+from eagle3_datagen.caching import StageOutput
 from eagle3_datagen.config import PipelineConfig, ValidationConfig
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import ModelProfile
@@ -212,26 +212,35 @@ class ValidationSettings:
         return cls(config.profile, config.model.tokenizer, config.validation)
 
 
+# Bump `version` when a verdict or report written for the same input and settings changes.
+VALIDATION = StageOutput("validation", version=1, record=lambda generations: artifact_path("validation",
+                                                                                           generations.index))
+
+
 @task(name="validate", task_run_name="{run.run_name}/validate-{generations.index:05d}", retries=0,
-      persist_result=True, cache_policy=stage_cache(__name__) + OutputMadeFrom(
-          input_name="generations", record=lambda index: artifact_path("validation", index), key="generations_sha256"))
+      persist_result=True, cache_policy=VALIDATION.cache_policy("generations", "settings"))
 def validate_generations(generations: ShardRef, settings: ValidationSettings, run: RunLocation) -> ShardRef:
-    """Write validation/shard-NNNNN.json and a UI artifact; fail the shard if it is quarantined."""
+    """Write validation/shard-NNNNN.json and a UI artifact; fail the shard if it is quarantined. A report made
+    under this key already is the verdict: nothing is read again."""
     store = run.store()
-    records = store.read_shard_records(generations)
-    profile = settings.profile
-    tok = load_tokenizer(settings.tokenizer)
-    spec = discover_think_tokens(tok, profile) if profile.single_token_tags else None
-    report = validate_records(generations.index, records, profile, settings.thresholds,
-                              lambda ids: tok.decode(ids, skip_special_tokens=False), spec,
-                              lambda record: tool_calls_text(tok, record, profile, spec) if spec else None)
     path = artifact_path("validation", generations.index)
-    store.write_json(path, {**report.as_dict(), "generations_sha256": generations.sha256})
-    create_markdown_artifact(key=ui_key(run.run_name, f"validation-{shard_name(generations.index)}"),
-                             markdown=_markdown(run.run_name, report), description="reasoning-field validation")
-    if report.status != "pass":
+    key = VALIDATION.key(generations=generations, settings=settings)
+    verdict = VALIDATION.done(store, generations, key)
+    if verdict is None:
+        records = store.read_shard_records(generations)
+        profile = settings.profile
+        tok = load_tokenizer(settings.tokenizer)
+        spec = discover_think_tokens(tok, profile) if profile.single_token_tags else None
+        report = validate_records(generations.index, records, profile, settings.thresholds,
+                                  lambda ids: tok.decode(ids, skip_special_tokens=False), spec,
+                                  lambda record: tool_calls_text(tok, record, profile, spec) if spec else None)
+        verdict = {**report.as_dict(), "generations_sha256": generations.sha256, "stage_key": key}
+        store.write_json(path, verdict)
+        create_markdown_artifact(key=ui_key(run.run_name, f"validation-{shard_name(generations.index)}"),
+                                 markdown=_markdown(run.run_name, report), description="reasoning-field validation")
+    if verdict["status"] != "pass":
         raise ShardQuarantined(
-            f"shard {generations.index:05d} quarantined ({'; '.join(report.reasons)}); its records stay in "
+            f"shard {generations.index:05d} quarantined ({'; '.join(verdict['reasons'])}); its records stay in "
             f"{generations.path} and are kept out of the training set: see {path}"
         )
     return generations

@@ -38,6 +38,7 @@ FAULTS = (
     "reset",  # the connection drops in the middle of the response body
     "malformed",  # 200 with a body that is not JSON
     "missing",  # 200 with JSON that lacks `choices`
+    "broken-choice",  # 200 with JSON whose one choice is not an object
     "slow",  # answers after Script.slow_s (longer than the client's timeout)
     "refuse",  # HTTP 400 naming the question: a refusal of this one request, like vLLM's context-length one
 )
@@ -90,6 +91,7 @@ class Script:
     random_faults: tuple[str, ...] = RANDOM_FAULTS
     unavailable_for: str | None = None  # questions containing this text get HTTP 503 (a shard that fails)
     refused_for: str | None = None  # questions containing this text get HTTP 400 (the prompt's own refusal)
+    broken_for: str | None = None  # questions containing this text get a "broken-choice" 200 (a broken answer)
     # a user question containing a key, asked with `tools`, is answered with calls: (function name, arguments)
     tool_calls: dict[str, list[tuple[str, dict[str, Any]]]] = field(default_factory=dict)
     tool_parser: bool = True  # False: a request with tool_choice auto gets vLLM's 400, as without the flags
@@ -300,7 +302,8 @@ class ScriptedServer:
             question = body["messages"][-1]["content"]
             down = self.script.unavailable_for is not None and self.script.unavailable_for in question
             refused = self.script.refused_for is not None and self.script.refused_for in question
-            fault = "http-503" if down else "http-400" if refused else self._next_fault()
+            broken = self.script.broken_for is not None and self.script.broken_for in question
+            fault = "http-503" if down else "http-400" if refused else "broken-choice" if broken else self._next_fault()
             self.log.faults += fault != "ok"
             self.log.scripted_latency_s += latency if fault != "slow" else 0.0
             self.log.change(time.monotonic(), +1)
@@ -334,6 +337,8 @@ class ScriptedServer:
                 return Response('{"choices": [', media_type="application/json")
             if fault == "missing":
                 return JSONResponse({"id": "chatcmpl-scripted", "object": "chat.completion"})
+            if fault == "broken-choice":
+                return JSONResponse({"id": "chatcmpl-scripted", "object": "chat.completion", "choices": [None]})
             message = _message(question, body, self.script)
             if body.get("tools") and body["messages"][-1]["role"] == "user":
                 message = _with_calls(message, question, self.script)

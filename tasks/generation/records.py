@@ -35,6 +35,7 @@ from eagle3_datagen.artifacts import (
     sample_id,
     sha256_hex,
 )
+from eagle3_datagen.caching import StageOutput
 from eagle3_datagen.config import GenerationConfig
 from eagle3_datagen.conversations import Ended, answer_of, next_turn, turn_id, user_turns
 from eagle3_datagen.errors import Log, UserError
@@ -44,6 +45,11 @@ from eagle3_datagen.protocol import Completion
 from eagle3_datagen.storage import RunLocation, RunStore
 
 SETTINGS_FILE = "generations/settings.json"
+# A finished shard's marker records the key of the prompt shard it answers (its settings are pinned apart, in
+# SETTINGS_FILE). Bump `version` when the records written for the same answers change.
+GENERATIONS = StageOutput("generations", version=1, record=lambda prompts: artifact_path("generations",
+                                                                                         prompts.index),
+                          marked=True)
 SEGMENT_RECORDS = 1000  # a partial-log segment in object storage holds at most this many entries...
 SEGMENT_EVERY_S = 10.0  # ...or what came in this many seconds
 
@@ -260,7 +266,11 @@ def place(entries: dict[int, dict[str, Any]], turns: dict[int, list[str]], at: i
     """Apply one log entry (kept form) at position `at`: a prompt's outcome goes to `entries`; a rollout's turn
     (`turn` k) adds its records to the conversation's `turns` while it goes on, and the conversation moves to
     `entries` with every turn's records once it ends (`ended`, or a rejection). A `discard` voids the prompt, or
-    a rollout's turns from k on. False for a turn that does not follow the conversation's last (not applied).
+    a rollout's turns from k on. False for a turn past the one the conversation asks next (not applied).
+
+    Idempotent: a run in object storage replays each entry twice, from its local log and from its segments. A
+    prompt's outcome placed again is the same; a turn the conversation already holds, or a turn of a conversation
+    that ended, changes nothing. A rollout asks one sample (`generation.n` is 1), so it holds one line per turn.
     """
     if "turn" not in entry:
         if "discard" in entry:
@@ -269,6 +279,8 @@ def place(entries: dict[int, dict[str, Any]], turns: dict[int, list[str]], at: i
             entries[at] = entry
         return True
     turn = entry["turn"]
+    if "discard" not in entry and (at in entries or turn < len(turns.get(at, ()))):
+        return True
     kept = turns.pop(at, None)
     if kept is None:
         kept = entries.pop(at, {}).get("lines", [])
@@ -316,7 +328,7 @@ class Replay:
     positions: Callable[[], dict[str, int]]  # prompt id to position, read only if the prompt shard changed
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
     turns: dict[int, list[str]] = field(default_factory=dict)  # records of rollouts still going on, per position
-    dropped: int = 0  # entries whose prompt is no longer in the shard
+    dropped: set[str] = field(default_factory=set)  # ids of the answers whose prompt is no longer in the shard
 
     def apply(self, lines: list[str], source: str) -> bool:
         """Apply a log's lines in order; False, with nothing applied, when the log is another run's."""
@@ -336,9 +348,10 @@ class Replay:
             if "run_id" in entry:
                 same_prompts = entry["prompts_sha256"] == self.prompts.sha256
                 continue
-            at = entry["position"] if same_prompts else self.positions().get(entry["id"])
+            at = entry["position"] if same_prompts else self.positions().get(prompt_id_of(entry["id"]))
             if at is None:
-                self.dropped += "discard" not in entry
+                if "discard" not in entry:
+                    self.dropped.add(entry["id"])
             else:
                 place(self.entries, self.turns, at, {**kept_form(entry), "position": at})
         return True
@@ -429,7 +442,7 @@ def resume_shard(store: RunStore, prompts: ShardRef, run_id: str, spill: Callabl
     if replay.dropped:
         log.warning("shard %05d: %d answers dropped, their prompts are no longer in the shard (the prompts "
                     "changed since they were logged): they are asked again where they are now",
-                    prompts.index, replay.dropped)
+                    prompts.index, len(replay.dropped))
     state.entries, state.turns = replay.entries, replay.turns
     return state
 
@@ -454,7 +467,8 @@ def finalize_shard(store: RunStore, state: ShardState) -> ShardRef:
     # before it, so its prompt counts as answered, not refused
     account = {"prompts_answered": answered, "prompts_refused": len(ordered) - answered,
                "rejected_bytes": rejected_bytes}
-    ref = store.write_shard_bytes("generations", state.ref.index, data, len(lines), prompts_sha256=state.ref.sha256,
+    ref = store.write_shard_bytes("generations", state.ref.index, data, len(lines),
+                                  stage_key=GENERATIONS.key(prompts=state.ref), prompts_sha256=state.ref.sha256,
                                   **account)
     state.pending = []  # the shard is written: nothing of it needs keeping any more
     state.close()
@@ -494,10 +508,8 @@ def finished_shard(
 def marked_finished(store: RunStore, prompts: ShardRef) -> ShardRef | None:
     """The generations of a prompt shard, if their completion marker says they answer exactly these prompts:
     a re-run of a finished run reads no shard, only markers."""
-    marker = store.read_marker(artifact_path("generations", prompts.index))
-    if marker is None or marker.get("prompts_sha256") != prompts.sha256:
-        return None
-    return ShardRef(*(marker[name] for name in ("stage", "index", "path", "num_records", "sha256")))
+    marker = GENERATIONS.done(store, prompts, GENERATIONS.key(prompts=prompts))
+    return None if marker is None else ShardRef.of_marker(marker)
 
 
 def unmarked_shards(prompt_shards: list[ShardRef], run: RunLocation) -> list[ShardRef]:

@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect.cache_policies import NO_CACHE, CachePolicy
+from prefect.context import TaskRunContext
 
 from eagle3_datagen.artifacts import GenerationOutcome, ShardRef
-from eagle3_datagen.caching import stage_cache
 from eagle3_datagen.config import PipelineConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.storage import RunLocation
 from tasks.generation.progress import LiveProgress
-from tasks.generation.records import GenerationSettings
+from tasks.generation.records import GENERATIONS, GenerationSettings, marked_finished
 from tasks.generation.scheduler import GenerationScheduler
 
 
@@ -50,8 +51,25 @@ class GenerationJob:
         return cls(settings, config.validation, config.sequences.source)
 
 
+@dataclass(kw_only=True)
+class EveryShardGenerated(CachePolicy):
+    """Generation's key (its prompt shards and job) while a marker vouches for every shard; None (look at storage)
+    otherwise: a shard reopened, deleted or found changed is never taken from the cache."""
+
+    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any] | None,
+                    flow_parameters: dict[str, Any] | None, **kwargs: Any) -> str | None:
+        given = inputs or {}
+        shards, run = given.get("prompt_shards"), given.get("run")
+        if shards is None or run is None:
+            return None
+        store = run.store()
+        if any(marked_finished(store, ref) is None for ref in shards):
+            return None
+        return GENERATIONS.key(prompt_shards=shards, job=given.get("job"))
+
+
 @task(name="generate", task_run_name="{run.run_name}/generate", retries=1, retry_condition_fn=retry_unless_user_error,
-      persist_result=True, cache_policy=stage_cache(__name__) - "server")
+      persist_result=True, cache_policy=EveryShardGenerated())
 def generate(prompt_shards: list[ShardRef], job: GenerationJob, server: ServerConfig,
              run: RunLocation) -> list[ShardRef]:
     """Generate all shards with one shared in-flight budget; resumes from partial logs.

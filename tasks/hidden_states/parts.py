@@ -185,9 +185,10 @@ def write_shard(
     target: TargetInfo,
     settings: HiddenStatesConfig,
     samples: Callable[[list[TokenSequence], list[int]], Generator[Sample, None, None]],
+    stage_key: str = "",
 ) -> dict[str, Any]:
     """What both backends share: read the sequences, pack `samples(sequences, aux_layers)` into parts as they come,
-    then write the index.
+    then write the index (with the `stage_key` the shard was made under).
     """
     aux_layers = resolve_aux_layers(settings.aux_layers, target.num_layers)
     shard_index = sequences_ref.index
@@ -211,7 +212,8 @@ def write_shard(
     index = {
         "format": FORMAT,
         "shard": shard_index,
-        "sequences_sha256": sequences_ref.sha256,  # what it was made from: a cached result must match it
+        "sequences_sha256": sequences_ref.sha256,  # what it was made from
+        **({"stage_key": stage_key} if stage_key else {}),
         "backend": settings.backend,
         "num_samples": len(writer.rows),
         "num_tokens": sum(part["num_tokens"] for part in writer.parts),

@@ -267,7 +267,7 @@ def _image_processor(path: str) -> Any:
 
 
 def extract_shard(
-    store: RunStore, sequences_ref: ShardRef, target: TargetModel, settings: HiddenStatesConfig
+    store: RunStore, sequences_ref: ShardRef, target: TargetModel, settings: HiddenStatesConfig, stage_key: str = ""
 ) -> dict[str, Any]:
     """Stage 6 for one shard with the transformers backend, without Prefect; returns the index."""
 
@@ -295,4 +295,4 @@ def extract_shard(
                                               pixels=image_inputs(store, target, seq))
                 yield Sample(seq.id, seq.input_ids, seq.loss_mask, aux, final)
 
-    return write_shard(store, sequences_ref, target, settings, samples)
+    return write_shard(store, sequences_ref, target, settings, samples, stage_key)

@@ -116,7 +116,7 @@ def _final_norm_weight(folder: Path) -> torch.Tensor:
         return handle.get_tensor(keys[0])
 
 def extract_shard_vllm(
-    store: RunStore, sequences_ref: ShardRef, target: ServedTarget, settings: HiddenStatesConfig
+    store: RunStore, sequences_ref: ShardRef, target: ServedTarget, settings: HiddenStatesConfig, stage_key: str = ""
 ) -> dict[str, Any]:
     """Stage 6 for one shard with the vllm backend (settings.endpoint), without Prefect; returns the index."""
     limits = httpx.Limits(max_connections=settings.max_in_flight)
@@ -129,7 +129,7 @@ def extract_shard_vllm(
                     "hidden_states.backend: transformers for image prompts")
             return served_samples(client, sequences, target, aux_layers, settings)
 
-        return write_shard(store, sequences_ref, target, settings, samples)
+        return write_shard(store, sequences_ref, target, settings, samples, stage_key)
 
 def served_samples(
     client: httpx.Client,

@@ -1,110 +1,92 @@
-"""Cache keys follow the code: a change anywhere in a stage module (not only its @task function) re-runs it."""
+"""One truth for "done": a stage's output counts only while storage records it under the key computed now."""
 
 from __future__ import annotations
 
-import ast
-import importlib.util
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
-import tasks.sequences
-import tasks.validation
 from eagle3_datagen import fingerprints
-from eagle3_datagen.caching import code_version, source_digest, stage_files
+from eagle3_datagen.artifacts import ShardRef, artifact_path
+from eagle3_datagen.caching import StageOutput
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.profiles import BUILTIN_PROFILES
+from eagle3_datagen.storage import RunLocation
 from eagle3_datagen.think_tokens import think_token_proof
 
-
-def test_a_change_in_a_stage_core_function_changes_the_code_version(tmp_path: Path) -> None:
-    module = tmp_path / "stage_under_test.py"
-    module.write_text("def core(x):\n    return x + 1\n")
-    spec = importlib.util.spec_from_file_location("stage_under_test", module)
-    assert spec and spec.loader
-    sys.modules["stage_under_test"] = importlib.util.module_from_spec(spec)
-    try:
-        before = code_version("stage_under_test")
-        assert code_version("stage_under_test") == before
-        module.write_text("def core(x):\n    return x + 2\n")
-        code_version.cache_clear()
-        assert code_version("stage_under_test") != before
-        assert code_version("tasks.sequences") != code_version("tasks.validation")
-    finally:
-        del sys.modules["stage_under_test"]
-        code_version.cache_clear()
+SEQUENCES_LIKE = StageOutput("sequences", version=1, record=lambda ref: artifact_path("sequences", ref.index),
+                             marked=True)
 
 
-def test_a_stage_package_is_hashed_whole() -> None:
-    """A fix in the batching module of the hidden-state package re-runs extraction, not only one in its task."""
-    import tasks.hidden_states.task  # noqa: F401
-
-    names = {file.name for file in stage_files("tasks.hidden_states.task")}
-    assert {"batching.py", "parts.py", "transformers_backend.py", "vllm_backend.py", "task.py"} <= names
-    assert [file.name for file in stage_files("tasks.sequences")] == ["sequences.py"]
+def _key(policy_inputs: dict[str, object]) -> str | None:
+    return SEQUENCES_LIKE.cache_policy("generations", "settings").compute_key(
+        None, policy_inputs, None)  # type: ignore[arg-type]
 
 
-
-def test_a_stage_key_is_computed_without_parsing_source(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keys are computed in task threads, where CPython 3.11's ast module fails a parse that overlaps one in another
-    thread (a traceback being formatted): a re-run that hit it could not cache, and its log showed the traceback."""
-    from eagle3_datagen.caching import StageCode
-
-    policy = next(p for p in tasks.sequences.build_sequence_shard.cache_policy.policies if isinstance(p, StageCode))
-    code_version.cache_clear()
-
-    def parse(*args: object, **kwargs: object) -> None:
-        raise SystemError("AST constructor recursion depth mismatch (before=66, after=88)")
-
-    monkeypatch.setattr(ast, "parse", parse)
-    assert policy.compute_key(None, {}, {}) == policy.version  # type: ignore[arg-type]
-    monkeypatch.undo()
-    assert policy.version == code_version("tasks.sequences")
-
-_STAGE = '''"""A stage."""
-from pydantic import BaseModel, Field
-
-LIMIT = 3  # the most
+def test_settings_a_then_b_then_a_again_runs_the_stage_again(tmp_path: Path) -> None:
+    """Settings A, then B (which rewrites the same output from the same input), then A: Prefect's cache holds A's
+    result, but storage holds B's output, so A must run again."""
+    run = RunLocation(str(tmp_path), "run")
+    store = run.store()
+    ref = ShardRef("generations", 2, artifact_path("generations", 2), 4, "a" * 64)
+    a, b = {"generations": ref, "settings": "A", "run": run}, {"generations": ref, "settings": "B", "run": run}
+    assert _key(a) is None, "no output yet: the task runs"
+    key_a = SEQUENCES_LIKE.key(generations=ref, settings="A")
+    store.write_shard_bytes("sequences", 2, b"made under A", 4, stage_key=key_a)
+    assert _key(a) == key_a, "made under this key: a re-run may take Prefect's cached result"
+    assert _key(b) is None, "other settings: the task runs"
+    store.write_shard_bytes("sequences", 2, b"made under B", 4, stage_key=SEQUENCES_LIKE.key(generations=ref,
+                                                                                            settings="B"))
+    assert _key(a) is None, "A's cached result no longer describes storage: the task runs again"
+    store.remove("sequences")
+    assert _key(b) is None, "a deleted folder is rebuilt, not vouched for by a cached result"
 
 
-class Settings(BaseModel):
-    """Its settings."""
-
-    size: int = Field(default=4, gt=0, description="How many.", title="Size")
-
-
-def core(x):
-    """Adds the limit."""
-    return x + LIMIT
-'''
+def test_an_output_changed_behind_its_marker_is_not_done(tmp_path: Path) -> None:
+    store = RunLocation(str(tmp_path), "run").store()
+    ref = ShardRef("generations", 0, artifact_path("generations", 0), 1, "a" * 64)
+    key = SEQUENCES_LIKE.key(generations=ref, settings="A")
+    store.write_shard_bytes("sequences", 0, b"parquet", 1, stage_key=key)
+    assert SEQUENCES_LIKE.done(store, ref, key) is not None
+    store.write_bytes(artifact_path("sequences", 0), b"another parquet, longer")
+    assert SEQUENCES_LIKE.done(store, ref, key) is None
 
 
-@pytest.mark.parametrize(("old", "new", "same"), [
-    ("# the most", "# the most, reworded", True),
-    ('"""Adds the limit."""', '"""Adds the limit, said otherwise."""', True),
-    ('"""A stage."""', '"""A stage, said otherwise."""', True),
-    ('description="How many."', 'description="How many, said otherwise."', True),
-    ('title="Size"', 'title="Count"', True),
-    ("LIMIT = 3", "LIMIT = 4", False),
-    ("x + LIMIT", "x - LIMIT", False),
-    ("gt=0", "ge=0", False),
-])
-def test_only_a_change_to_the_code_changes_the_digest(tmp_path: Path, old: str, new: str, same: bool) -> None:
-    """A comment, docstring or field description changes no output, so it keeps every cached stage."""
-    before, after = tmp_path / "before" / "stage.py", tmp_path / "after" / "stage.py"
-    for file, text in ((before, _STAGE), (after, _STAGE.replace(old, new))):
-        file.parent.mkdir()
-        file.write_text(text)
-    assert after.read_text() != _STAGE
-    assert (source_digest([before]) == source_digest([after])) is same
+def test_the_key_follows_inputs_settings_and_output_version_but_not_an_unset_new_setting() -> None:
+    class Old(BaseModel):
+        size: int = 4
+
+    class New(BaseModel):
+        size: int = 4
+        colour: str = "none"  # a setting added by an upgrade, left unset
+
+    @dataclasses.dataclass(frozen=True)
+    class Settings:
+        config: BaseModel
+        limit: int = 0
+
+    ref = ShardRef("generations", 0, artifact_path("generations", 0), 1, "a" * 64)
+    key = SEQUENCES_LIKE.key(generations=ref, settings=Settings(Old()))
+    assert key == SEQUENCES_LIKE.key(generations=ref, settings=Settings(New()))
+    assert key != SEQUENCES_LIKE.key(generations=ref, settings=Settings(New(colour="red")))
+    assert key != SEQUENCES_LIKE.key(generations=ref, settings=Settings(Old(size=5)))
+    assert key != SEQUENCES_LIKE.key(generations=ref, settings=Settings(Old(), limit=1))
+    assert key != SEQUENCES_LIKE.key(generations=dataclasses.replace(ref, sha256="b" * 64), settings=Settings(Old()))
+    bumped = dataclasses.replace(SEQUENCES_LIKE, version=2)
+    assert key != bumped.key(generations=ref, settings=Settings(Old()))
 
 
 STAGE_INPUTS = """
-from prefect.cache_policies import INPUTS
+from eagle3_datagen.artifacts import ShardRef
 from eagle3_datagen.config import parse_config
-from eagle3_datagen.storage import RunLocation
+from tasks.generation.records import GENERATIONS
+from tasks.hidden_states.task import HIDDEN_STATES
+from tasks.sequences import SEQUENCES
+from tasks.validation import VALIDATION
 from tasks.generation import GenerationJob
 from tasks.hidden_states import ExtractionSettings
 from eagle3_datagen.holdout import NO_HOLDOUT
@@ -113,44 +95,22 @@ from tasks.validation import ValidationSettings
 
 config = parse_config({"run_name": "r", "data": {"source": "d.jsonl"}, "server": {"endpoints": ["http://x:1"]},
                        "model": {"name": "m", "profile": "qwen3", "tokenizer": "t"}})
-settings = [GenerationJob.from_config(config), ValidationSettings.from_config(config),
-            SequenceSettings.from_config(config, "tokenizer-fp", NO_HOLDOUT),
-            ExtractionSettings.from_config(config, "target-fp")]
-print(" ".join(INPUTS.compute_key(None, {"settings": s, "run": RunLocation("/runs", "r")}, {}) for s in settings))
+ref = ShardRef("generations", 0, "generations/shard-00000.jsonl", 3, "a" * 64)
+print(GENERATIONS.key(prompt_shards=[ref], job=GenerationJob.from_config(config)),
+      VALIDATION.key(generations=ref, settings=ValidationSettings.from_config(config)),
+      SEQUENCES.key(generations=ref, settings=SequenceSettings.from_config(config, "tokenizer-fp", NO_HOLDOUT)),
+      HIDDEN_STATES.key(sequences=ref, extraction=ExtractionSettings.from_config(config, "target-fp")))
 """
 
 
 def test_stage_settings_hash_the_same_in_every_process() -> None:
-    """A stage's settings and run are its cache key: a key that differed between processes (a worker, a re-run)
-    would redo every stage."""
+    """A stage's settings are in its key: a key that differed between processes (a worker, a re-run) would redo
+    every stage."""
     import os
-    import subprocess
 
     keys = {subprocess.run([sys.executable, "-c", STAGE_INPUTS], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
     assert len(keys) == 1 and len(set(keys.pop().split())) == 4
-
-
-def test_a_cached_shard_result_counts_only_while_its_output_was_made_from_the_same_input(tmp_path: Path) -> None:
-    from eagle3_datagen.artifacts import ShardRef, artifact_path
-    from eagle3_datagen.caching import OutputMadeFrom
-    from eagle3_datagen.storage import RunLocation, marker_path
-
-    run = RunLocation(str(tmp_path), "run")
-    store = run.store()
-    policy = OutputMadeFrom(input_name="generations", record=lambda i: marker_path(artifact_path("sequences", i)),
-                            key="generations_sha256", output=lambda i: artifact_path("sequences", i))
-    a, b = (ShardRef("generations", 2, artifact_path("generations", 2), 4, sha) for sha in ("a" * 64, "b" * 64))
-
-    def key(ref: ShardRef) -> str | None:
-        return policy.compute_key(None, {"generations": ref, "run": run}, None)  # type: ignore[arg-type]
-
-    assert key(a) is None, "no output yet: the key stays that of the inputs and the code"
-    store.write_shard_bytes("sequences", 2, b"parquet of a", 4, generations_sha256=a.sha256)
-    assert key(a) is None, "made from this input: a re-run stays cached"
-    assert key(b) is not None, "made from other input: the stage runs again"
-    store.remove(marker_path(artifact_path("sequences", 2)))
-    assert key(a) is not None, "an output nothing vouches for runs again"
 
 
 def test_a_data_file_edited_in_place_to_the_same_size_is_another_source(tmp_path: Path,

@@ -32,6 +32,7 @@ from tasks.hidden_states import ExtractionSettings, extract_hidden_states
 from tasks.hidden_states.batching import plan_batches
 from tasks.hidden_states.parts import read_sequences, write_shard
 from tasks.hidden_states.targets import default_aux_layers, resolve_aux_layers
+from tasks.hidden_states.task import HIDDEN_STATES
 from tasks.hidden_states.transformers_backend import (
     TargetModel,
     capture_batch,
@@ -577,7 +578,7 @@ def test_changing_the_compression_changes_the_cache_key() -> None:
     def extraction(compression: str) -> ExtractionSettings:
         return ExtractionSettings(HiddenStatesConfig(compression=compression), "target", "fp", False)
 
-    key = {compression: extract_hidden_states.cache_policy.compute_key(
-        task_ctx=None, inputs={"extraction": extraction(compression), "run": RunLocation("/runs", "run")},
-        flow_parameters={}) for compression in ("none", "zstd", "fp8")}
+    sequences = ShardRef("sequences", 0, "sequences/shard-00000.parquet", 2, "a" * 64)
+    key = {compression: HIDDEN_STATES.key(sequences=sequences, extraction=extraction(compression))
+           for compression in ("none", "zstd", "fp8")}
     assert len(set(key.values())) == 3
