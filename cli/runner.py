@@ -5,8 +5,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
+import signal
+import sys
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -104,6 +109,37 @@ def _all_cached(tasks: int) -> str:
     return f"all {tasks} work tasks cached: nothing recomputed, no request sent to any server"
 
 
+@contextmanager
+def _terminating() -> Iterator[None]:
+    """SIGTERM stops the command as Ctrl-C does: while the flow runs, Prefect's own handler raises `TerminationSignal`
+    in it (every task is stopped, generation included, and the manifest ends cancelled), then hands the signal on to
+    the handler it found, this one, which raises it again here; outside the flow, this one raises it at once."""
+    from prefect.exceptions import TerminationSignal
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise TerminationSignal(signal=signum)
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _cancelled(signum: int) -> SystemExit:
+    """The command's last line and exit status (128 + the signal's number, as a shell reports it) for a run stopped
+    by a signal."""
+    from eagle3_datagen.run_log import silence_prefect_console
+
+    silence_prefect_console()
+    print(f"cancelled: stopped by {signal.Signals(signum).name}; run again to resume (finished work is kept)",
+          file=sys.stderr, flush=True)
+    return SystemExit(128 + signum)
+
+
 def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     """Run the flow; returns the run summary plus one line per stage (task states and time)."""
     from cli.local_api import wait_for_local_api
@@ -115,18 +151,23 @@ def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     store = RunStore(config.output_uri, config.run_name)
     store.check_writable()
     wait_for_local_api()
-    with RunLog(store) as log:
-        flow = pipeline_for(config).with_options(result_storage=result_storage_for(config))
-        state = flow(config, return_state=True)
-        try:
-            summary = state.result()
-        except UserError as error:
-            error.details = log.where
-            raise
-        flow_run_id = state.state_details.flow_run_id
-        stages = cached_stage_lines(summary.pop("work_states", {}))
-        if not stages and flow_run_id:
-            stages = asyncio.run(_stage_lines(flow_run_id))
+    from prefect.exceptions import TerminationSignal
+
+    try:
+        with RunLog(store) as log, _terminating():
+            flow = pipeline_for(config).with_options(result_storage=result_storage_for(config))
+            state = flow(config, return_state=True)
+            try:
+                summary = state.result()
+            except UserError as error:
+                error.details = log.where
+                raise
+            flow_run_id = state.state_details.flow_run_id
+            stages = cached_stage_lines(summary.pop("work_states", {}))
+            if not stages and flow_run_id:
+                stages = asyncio.run(_stage_lines(flow_run_id))
+    except TerminationSignal as stop:
+        raise _cancelled(stop.signal) from None
     if config.hidden_states.backend != "none":
         stages.append(f"trainer files: eagle3-datagen export {summary['run_uri']} --format specforge (or speculators)")
     return {**summary, "stages": stages}

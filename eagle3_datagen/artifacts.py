@@ -15,6 +15,7 @@ Layout under `{output_uri}/{run_name}/`:
   generations/timeline.jsonl             generation sampled twice a second: time, prompts finished, in flight
   report.md, plots/*.png                 the run report and its plots (and the drafts judged on its held-out split)
   evaluations/DRAFT/                     evaluation.json, evaluation.md, acceptance.png: `evaluate` of one draft
+  lease/epoch-NNNNNNNN.json              who writes the run: one file per holder, created exclusively (lease.py)
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ TIMELINE = "generations/timeline.jsonl"  # generation's progress over time, for 
 REPORT = "report.md"
 EVALUATIONS = "evaluations"  # evaluations/DRAFT/: a draft judged on the held-out split (`evaluate`)
 EVALUATIONS_HEADING = "\n## Draft evaluations\n"  # the report's last section, kept when the run re-renders it
+
+
+LEASE_FOLDER = "lease"
+
+
+def lease_file(epoch: int) -> str:
+    """The file the run's `epoch`-th writer creates, exclusively, to hold the run (eagle3_datagen/lease.py)."""
+    return f"{LEASE_FOLDER}/epoch-{epoch:08d}.json"
 
 
 SHARD_STAGES = ("generations", "validation", "sequences", "hidden_states", "rejected")  # made per prompt shard

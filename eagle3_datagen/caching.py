@@ -2,9 +2,9 @@
 
 A stage's key is the digest of its inputs (the shards it reads, by content hash), its settings and its output
 version. The stage writes the key beside its output (in the shard's marker, report or index); the output is done
-when storage holds a record whose key equals the key computed now. Prefect's cache only speeds that check up:
-its key is the stage key while storage vouches for it and none otherwise, so a cached result can never stand for
-an output that storage no longer holds (settings A, B, then A again; a deleted folder).
+when storage holds a record whose key equals the key computed now. The task checks that first and hands the
+output on as Prefect's Cached state (`handed_on`); Prefect's own result cache is not used, so a cached result can
+never stand for an output that storage no longer holds (settings A, B, then A again; a deleted folder).
 
 Code is not in the key: an upgrade that refactors a stage reuses every output. A stage bumps its `version` when
 its output changes, and `tests/unit/test_output_versions.py` (a fixed input and the digest of its output per
@@ -18,13 +18,13 @@ import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
-from prefect.cache_policies import CachePolicy
-from prefect.context import TaskRunContext
 from pydantic import BaseModel
 
 from eagle3_datagen.storage import RunStore
+
+T = TypeVar("T")
 
 
 def canonical(value: Any) -> Any:
@@ -80,24 +80,14 @@ class StageOutput:
                 return None
         return recorded if isinstance(recorded, dict) and recorded.get("stage_key") == key else None
 
-    def cache_policy(self, *inputs: str) -> CachePolicy:
-        """Prefect's cache for a task whose parameters `inputs` (the first one locates the record: a shard's
-        `ShardRef`) and `run` make the key."""
-        return StoredKey(output=self, inputs=inputs)
 
+def handed_on(value: T, key: str) -> T:
+    """An output storage holds under `key` already, handed on without work: inside a task run as Prefect's Cached
+    state (the UI and the command's stage lines count it so, and Prefect's own cache is never asked), as itself in
+    a plain call."""
+    from prefect.context import TaskRunContext
+    from prefect.states import Completed
 
-@dataclass(kw_only=True)
-class StoredKey(CachePolicy):
-    """The stage key while storage holds an output made under it; None (run the task) otherwise."""
-
-    output: StageOutput
-    inputs: tuple[str, ...]
-
-    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any] | None,
-                    flow_parameters: dict[str, Any] | None, **kwargs: Any) -> str | None:
-        given = inputs or {}
-        run, first = given.get("run"), given.get(self.inputs[0])
-        if run is None or first is None:
-            return None
-        key = self.output.key(**{name: given[name] for name in self.inputs})
-        return key if self.output.done(run.store(), first, key) is not None else None
+    if TaskRunContext.get() is None:
+        return value
+    return cast(T, Completed(data=value, name="Cached", message=f"stored under stage key {key[:12]}"))

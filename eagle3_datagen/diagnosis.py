@@ -28,6 +28,8 @@ class ProbeFinding:
     endpoint: str
     served_models: list[str]
     max_model_len: int | None = None
+    checkpoint: str | None = None  # what is served under the name (`root` of /v1/models)
+    server_version: str | None = None  # vLLM's version (/version)
     context_warning: str | None = None  # prompts too long for the served context, which the server will refuse
     reasoning_field: str | None = None  # `reasoning`, `reasoning_content` or `inline`; None until answers came
     token_ids_returned: bool | None = None

@@ -281,11 +281,20 @@ class OpenAIClient:
         """The HTTP status /health answers; OSError when nothing answers (refused, unknown host, no answer in 5 s)."""
         return (await self._http.request("GET", "/health", 5.0)).status
 
-    async def served_models(self) -> dict[str, int | None]:
-        """Served model names and their context length (`max_model_len`, when the server reports it)."""
+    async def served_models(self) -> dict[str, dict[str, Any]]:
+        """Served model names and their cards: the context length (`max_model_len`) and the checkpoint behind the
+        name (`root`), when the server reports them."""
         response = await self._http.request("GET", "/v1/models", 10.0)
         _raise_for_status(response.status, f"{self.base_url}/v1/models", response.body)
-        return {entry["id"]: entry.get("max_model_len") for entry in json.loads(response.body).get("data", [])}
+        return {entry["id"]: entry for entry in json.loads(response.body).get("data", [])}
+
+    async def server_version(self) -> str | None:
+        """vLLM's version from its /version; None where the server has no such route."""
+        try:
+            response = await self._http.request("GET", "/version", 10.0)
+            return str(json.loads(response.body)["version"]) if response.status == 200 else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     async def load(self) -> ServerLoad | None:
         """The server's load from its /metrics; None when it reports none or does not answer."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import posixpath
 import time
 import uuid
@@ -20,7 +21,7 @@ from typing import IO, Any, TypeVar
 import fsspec
 from fsspec.core import url_to_fs
 
-from eagle3_datagen.artifacts import SHARD_STAGES, ShardRef, artifact_path, sha256_hex, shard_index_of
+from eagle3_datagen.artifacts import SHARD_STAGES, ShardRef, artifact_path, lease_file, sha256_hex, shard_index_of
 from eagle3_datagen.errors import ConfigurationError, UserError
 from eagle3_datagen.s3_upload import s3_upload
 
@@ -36,26 +37,36 @@ class OutputNotWritable(ConfigurationError):
     """`output_uri` names a place this process cannot write."""
 
 
+class WriterFenced(UserError):
+    """This process held the run's lease, and another writer has taken it over since: it may write nothing more."""
+
+
 class ArtifactChanged(UserError, ValueError):
     """A stage's input no longer matches the hash its producer recorded (and downstream caches are keyed on)."""
 
 
 @dataclass(frozen=True)
 class RunLocation:
-    """Which run a stage works on: the folder `{output_uri}/{run_name}/`. Plain strings, so that it hashes the same
-    in every process as part of a stage's cache key."""
+    """Which run a stage works on: the folder `{output_uri}/{run_name}/`, and the `epoch` of the lease its writer
+    holds (0: a reader's, or a run written without one), so that a stage on any process or node writes fenced."""
 
     output_uri: str
     run_name: str
+    epoch: int = 0
 
     def store(self) -> RunStore:
-        return RunStore(self.output_uri, self.run_name)
+        return RunStore(self.output_uri, self.run_name, self.epoch)
 
 
 class RunStore:
-    """The folder `{output_uri}/{run_name}/` and the only way stages read and write artifacts."""
+    """The folder `{output_uri}/{run_name}/` and the only way stages read and write artifacts.
 
-    def __init__(self, output_uri: str, run_name: str) -> None:
+    A store of a lease's `epoch` is fenced: before each write or removal it checks that no later writer has taken
+    the run over (the next epoch's lease file), and refuses with `WriterFenced` if one has.
+    """
+
+    def __init__(self, output_uri: str, run_name: str, epoch: int = 0) -> None:
+        self.epoch = epoch
         self.fs, base = url_to_fs(output_uri)
         self._local = "file" in _protocols(self.fs)
         self._s3 = "s3" in _protocols(self.fs)
@@ -119,8 +130,48 @@ class RunStore:
         """Atomic whole-file write: a temporary sibling then a rename (local), or one PUT (object stores)."""
         self.write_buffers(rel, [data])
 
+    def check_fence(self) -> None:
+        """Refuse, in one line, a write of a writer whose lease another has taken over since."""
+        if self.epoch and self._retrying(lambda: self.fs.exists(self.path(lease_file(self.epoch + 1)))):
+            raise WriterFenced(f"run {self.uri}: another process took it over (lease epoch {self.epoch + 1} in "
+                               f"{lease_file(self.epoch + 1)}); this one stops writing, and what it wrote is kept")
+
+    def create_exclusive(self, rel: str, data: bytes) -> bool:
+        """Write `rel` only if it does not exist (a hard link locally, a conditional PUT on S3); False if it did."""
+        target = self.path(rel)
+        self._make_folder(posixpath.dirname(target))
+        if self._local:  # written whole beside it, then linked: a reader never sees it half-written
+            tmp = f"{target}.tmp-{uuid.uuid4().hex}"
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+            try:
+                os.link(tmp, target)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            return True
+        if not self._s3:  # no atomic create on other stores (memory://): exclusive within one process only
+            if self.fs.exists(target):
+                return False
+            self.fs.pipe_file(target, data)
+            return True
+        bucket, _, key = target.partition("/")
+
+        def put() -> bool:
+            try:
+                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfNoneMatch="*")
+            except Exception as error:  # s3fs turns botocore's ClientError into an OSError of its own choosing
+                if any(word in f"{error!r} {error.__cause__!r}" for word in ("PreconditionFailed", "412")):
+                    return False
+                raise
+            return True
+
+        return self._retrying(put)
+
     def write_buffers(self, rel: str, buffers: list[bytes | memoryview]) -> None:
         """`write_bytes` of the buffers' bytes in turn; on local disk and S3 they are never joined in memory."""
+        self.check_fence()
         target = self.path(rel)
         self._make_folder(posixpath.dirname(target))
         if self._s3:  # never a half-written object: one PUT, or a multipart upload completed at its end
@@ -224,6 +275,7 @@ class RunStore:
         """A streaming handle (multipart upload on S3 for large writes)."""
         target = self.path(rel)
         if "w" in mode or "a" in mode:
+            self.check_fence()
             self._make_folder(posixpath.dirname(target))
         with self.fs.open(target, mode, **kwargs) as handle:
             yield handle
@@ -267,6 +319,7 @@ class RunStore:
 
     def remove(self, rel: str) -> None:
         """The file or folder `rel`, if there (no request to ask first)."""
+        self.check_fence()
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(self.path(rel), recursive=True)
 

@@ -34,10 +34,12 @@ from tasks.run.lifecycle import (
     finish_run,
     record_run_end,
     recorded_config,
+    release_run_lease,
     run_named,
     settled_output,
     settled_run,
     start_run,
+    take_run_lease,
     work_states,
 )
 from tasks.sequences import SequenceSettings, build_sequence_shard
@@ -54,9 +56,11 @@ from tasks.verify import (
 )
 
 
-@flow(name="eagle3-datagen", flow_run_name=run_named(), log_prints=True, on_completion=[close_run_log],
-      on_failure=[record_run_end("failed"), close_run_log], on_crashed=[record_run_end("failed"), close_run_log],
-      on_cancellation=[record_run_end("cancelled"), close_run_log])
+@flow(name="eagle3-datagen", flow_run_name=run_named(), log_prints=True,
+      on_completion=[release_run_lease, close_run_log],
+      on_failure=[record_run_end("failed"), release_run_lease, close_run_log],
+      on_crashed=[record_run_end("failed"), release_run_lease, close_run_log],
+      on_cancellation=[record_run_end("cancelled"), release_run_lease, close_run_log])
 def pipeline(config: PipelineConfig) -> dict[str, Any]:
     """Turn a prompt dataset into EAGLE-3 training data; every stage resumes and caches by content.
 
@@ -69,10 +73,11 @@ def pipeline(config: PipelineConfig) -> dict[str, Any]:
     check_task_runner(config.execution)
     check_compression(config.hidden_states.compression)  # not hours later, after generation
     run = RunLocation(config.output_uri, config.run_name)
-    open_run_log(RunStore(config.output_uri, config.run_name))  # where the command opened none: a worker's run
-    context = start_run(config)
+    open_run_log(run.store())  # where the command opened none: a worker's run
     job = GenerationJob.from_config(config)
-    refuse_other_settings(job.settings, run=run)  # before the prompt stage re-cuts any shard
+    refuse_other_settings(job.settings, run=run)  # before anything is written: a refused run changes nothing
+    run = take_run_lease(run)  # one writer: every later write carries its epoch, refused once another takes over
+    context = start_run(config, run=run)
     prompts_loaded = load_prompts(PromptSettings.from_config(config), run=run, return_state=True)
     prompts = prompts_loaded.result()
     check_image_prompts(prompts, profile=config.profile, backend=config.hidden_states.backend)

@@ -42,6 +42,7 @@ from eagle3_datagen.hidden_state_format import (
     split_samples,
 )
 from eagle3_datagen.holdout import Split
+from eagle3_datagen.lease import refuse_while_written
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.trainers import FINAL_STATE_FOR, Trainer
 
@@ -86,7 +87,11 @@ def plan_export(run_uri: str, export_format: ExportFormat, out_uri: str | None =
     run = RunStore.at(run_uri)
     if not run.exists(MANIFEST):
         raise ExportError(f"{run_uri} has no {MANIFEST}: give the folder of a run (e.g. runs/demo)")
+    refuse_while_written(run, "export it once that run ends")
     manifest = run.read_json(MANIFEST)
+    if manifest.get("status") == "running":
+        raise ExportError(f"{run_uri} did not end (its manifest says running: killed, or its machine lost): run it "
+                          f"again to finish it, or `eagle3-datagen rerun-failed {run_uri}`, then export")
     if manifest["config"]["hidden_states"]["backend"] == "none":
         raise ExportError(
             f"{run_uri} was run without hidden states (hidden_states.backend: none): run the extract-only flow first"

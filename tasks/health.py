@@ -90,6 +90,24 @@ def check_served_model(endpoint: str, served: list[str], model: str) -> None:
         )
 
 
+SERVED_FILE = "generations/served.json"
+
+
+def pin_served(store: RunStore, findings: list[ProbeFinding]) -> None:
+    """Every endpoint serves what the run's answers came from: the checkpoint behind the served name and vLLM's
+    version, pinned by the first check (a name says nothing of a server restarted on other weights)."""
+    served = [{"checkpoint": f.checkpoint, "server_version": f.server_version} for f in findings]
+    pinned = store.read_json(SERVED_FILE) if store.exists(SERVED_FILE) else served[0]
+    for finding, build in zip(findings, served, strict=True):
+        if build != pinned:
+            raise ServerCheckFailed(
+                f"{finding.endpoint} serves {build['checkpoint']} (vLLM {build['server_version']}), but the run's "
+                f"answers come from {pinned['checkpoint']} (vLLM {pinned['server_version']}, {SERVED_FILE}): serve "
+                "that there, or start a new run_name")
+    if not store.exists(SERVED_FILE):
+        store.write_json(SERVED_FILE, pinned)
+
+
 class PromptLengths:
     """Rendered prompt lengths of a run, counted exactly only where a cheap bound says a prompt may not fit.
 
@@ -168,14 +186,16 @@ async def check_endpoint(
         await wait_until_healthy(client, server.startup_timeout_s, report)
         served = await client.served_models()
         check_served_model(endpoint, list(served), model)
+        version = await client.server_version()
         if server.max_in_flight == "auto" and await client.load() is None:
             raise ServerCheckFailed(
                 f"server.max_in_flight auto follows the load a vLLM server reports at /metrics, which {endpoint} "
                 "does not report: set a number for server.max_in_flight"
             )
         warning = None if lengths is None else check_context_length(
-            endpoint, served[model], generation.max_tokens, lengths, validation.min_accepted_rate)
-        return ProbeFinding(endpoint, list(served), max_model_len=served[model], context_warning=warning)
+            endpoint, served[model].get("max_model_len"), generation.max_tokens, lengths, validation.min_accepted_rate)
+        return ProbeFinding(endpoint, list(served), max_model_len=served[model].get("max_model_len"),
+                            context_warning=warning, checkpoint=served[model].get("root"), server_version=version)
 
 
 async def check_servers_async(
@@ -222,6 +242,7 @@ def check_servers(prompt_shards: list[ShardRef], check: ServerCheck, run: RunLoc
     for finding in findings:
         if finding.context_warning:
             log.warning(finding.context_warning)
+    pin_served(store, findings)
     manifest = store.read_json(MANIFEST)
     manifest["probe"] = [asdict(finding) for finding in findings]
     store.write_json(MANIFEST, manifest)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError
 
 from eagle3_datagen.artifacts import (
@@ -31,7 +32,7 @@ from eagle3_datagen.artifacts import (
     sha256_hex,
     shard_name,
 )
-from eagle3_datagen.caching import StageOutput
+from eagle3_datagen.caching import StageOutput, handed_on
 from eagle3_datagen.config import DataConfig, ImagesConfig, PipelineConfig
 from eagle3_datagen.conversations import user_turns
 from eagle3_datagen.errors import Eagle3Error, Log, UserError, retry_unless_user_error
@@ -755,14 +756,14 @@ PROMPTS = StageOutput("prompts", version=1, record=lambda settings: PROMPTS_DONE
 
 
 @task(name="load-prompts", task_run_name="{run.run_name}/load-prompts", retries=1,
-      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=PROMPTS.cache_policy("settings"))
+      retry_condition_fn=retry_unless_user_error, persist_result=True, cache_policy=NO_CACHE)
 def load_prompts(settings: PromptSettings, run: RunLocation) -> PromptLoadResult:
     """Prefect task: stage 2 for the run folder `run`; shards made under this key already are read from their
     record, not from the dataset."""
     store = run.store()
     key = PROMPTS.key(settings=settings)
     if (done := PROMPTS.done(store, settings, key)) is not None:
-        return PromptLoadResult.of_record(done["result"])
+        return handed_on(PromptLoadResult.of_record(done["result"]), key)
     try:
         log: Log = get_run_logger()
     except MissingContextError:  # called as a plain function (`load_prompts.fn`)

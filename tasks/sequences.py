@@ -26,9 +26,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, prompt_id_of, rejected_path
-from eagle3_datagen.caching import StageOutput
+from eagle3_datagen.caching import StageOutput, handed_on
 from eagle3_datagen.config import PipelineConfig, SequencesConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.holdout import NO_HOLDOUT, HoldoutSplit, Split
@@ -391,7 +392,7 @@ SEQUENCES = StageOutput("sequences", version=1, record=lambda generations: artif
 
 @task(name="build-sequences", task_run_name="{run.run_name}/build-sequences-{generations.index:05d}", retries=1,
       retry_condition_fn=retry_unless_user_error, persist_result=True,
-      cache_policy=SEQUENCES.cache_policy("generations", "settings"))
+      cache_policy=NO_CACHE)
 def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run: RunLocation) -> ShardRef:
     """sequences/shard-NNNNN.parquet from a validated generations shard; a shard made under this key already is
     handed on as it is.
@@ -401,7 +402,7 @@ def build_sequence_shard(generations: ShardRef, settings: SequenceSettings, run:
     store = run.store()
     key = SEQUENCES.key(generations=generations, settings=settings)
     if (done := SEQUENCES.done(store, generations, key)) is not None:
-        return ShardRef.of_marker(done)
+        return handed_on(ShardRef.of_marker(done), key)
     store.remove(marker_path(artifact_path("sequences", generations.index)))  # nothing vouches for a half-rewrite
     tok = load_tokenizer(settings.tokenizer)
     spec = discover_think_tokens(tok, settings.profile)

@@ -17,7 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import GenerationRecord, ShardRef, artifact_path, rejected_path, shard_name, ui_key
-from eagle3_datagen.caching import StageOutput
+from eagle3_datagen.caching import StageOutput, handed_on
 from eagle3_datagen.config import PipelineConfig, ValidationConfig
 from eagle3_datagen.errors import UserError
 from eagle3_datagen.profiles import ModelProfile
@@ -218,7 +218,7 @@ VALIDATION = StageOutput("validation", version=1, record=lambda generations: art
 
 
 @task(name="validate", task_run_name="{run.run_name}/validate-{generations.index:05d}", retries=0,
-      persist_result=True, cache_policy=VALIDATION.cache_policy("generations", "settings"))
+      persist_result=True, cache_policy=NO_CACHE)
 def validate_generations(generations: ShardRef, settings: ValidationSettings, run: RunLocation) -> ShardRef:
     """Write validation/shard-NNNNN.json and a UI artifact; fail the shard if it is quarantined. A report made
     under this key already is the verdict: nothing is read again."""
@@ -226,6 +226,8 @@ def validate_generations(generations: ShardRef, settings: ValidationSettings, ru
     path = artifact_path("validation", generations.index)
     key = VALIDATION.key(generations=generations, settings=settings)
     verdict = VALIDATION.done(store, generations, key)
+    if verdict is not None and verdict["status"] == "pass":
+        return handed_on(generations, key)
     if verdict is None:
         records = store.read_shard_records(generations)
         profile = settings.profile

@@ -54,6 +54,7 @@ from eagle3_datagen.hidden_state_format import (
     read_hidden_state_shard,
 )
 from eagle3_datagen.images import IMAGES_DIR, image_names, image_path, name_matches
+from eagle3_datagen.lease import refuse_while_written
 from eagle3_datagen.storage import RunLocation, RunStore, marker_path
 
 PROGRESS_EVERY_S = 5.0  # a deep check says how far it is this often
@@ -153,7 +154,9 @@ class RunLayout:
 
 
 def start_verification(store: RunStore, deep: bool) -> tuple[Verification, RunLayout | None]:
-    """The run-wide part of the check; no layout when the prompt stage never finished (nothing more to check)."""
+    """The run-wide part of the check; no layout when the prompt stage never finished (nothing more to check).
+    A run another process is writing is refused: its shards are rewritten under the check."""
+    refuse_while_written(store, "verify it once that run ends")
     manifest: dict[str, Any] = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
     result = Verification(status=manifest.get("status", "missing"), cause=manifest.get("cause"), deep=deep)
     if not store.exists(PROMPTS_SUMMARY):

@@ -110,6 +110,8 @@ class Script:
     check_model: bool = False  # a request for a model other than `model` gets vLLM's 404, as after a rename
     sign_settings: bool = False  # the answer names the request's temperature and max_tokens (`signed_settings`)
     starting_for_s: float = 0.0  # /health answers 503 this long after the server starts, as vLLM loading a model
+    checkpoint: str = "/models/scripted-checkpoint"  # `root` in /v1/models: what vLLM serves under the name
+    version: str = "0.32.0"  # /version, as vLLM reports its own
 
 
 def scripted_latency(script: Script, index: int) -> float:
@@ -234,6 +236,7 @@ class ScriptedServer:
         app = Starlette(routes=[
             Route("/health", self._health),
             Route("/v1/models", self._models),
+            Route("/version", self._version),
             Route("/stats", self._stats),
             Route("/metrics", self._metrics),
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
@@ -261,10 +264,13 @@ class ScriptedServer:
         return Response(status_code=503 if time.monotonic() < self._ready_at else 200)
 
     async def _models(self, request: Request) -> Response:
-        card = {"id": self.script.model, "object": "model"}
+        card = {"id": self.script.model, "object": "model", "root": self.script.checkpoint}
         if self.script.max_model_len is not None and self.script.report_max_model_len:
             card["max_model_len"] = self.script.max_model_len
         return JSONResponse({"object": "list", "data": [card]})
+
+    async def _version(self, request: Request) -> Response:
+        return JSONResponse({"version": self.script.version})
 
     async def _stats(self, request: Request) -> Response:
         """The log's measurements, and this process's CPU time: a benchmark tells a saturated server from a slow

@@ -373,6 +373,7 @@ class ShardState:
     turns: dict[int, list[str]] = field(default_factory=dict)  # records of rollouts still going on, per position
     log: IO[str] | None = None
     spill: Callable[[str, list[str]], None] | None = None
+    fence: Callable[[], None] | None = None  # refuses an append once another writer holds the run (a local log)
     segments: int = 0
     pending: list[str] = field(default_factory=list)
     spilled_at: float = field(default_factory=time.monotonic)
@@ -380,6 +381,8 @@ class ShardState:
     def append(self, prompt: Prompt, **outcome: Any) -> None:
         """Log how `prompt` ended: `records`, `rejected` or `discard` (and a rollout's `turn`, `ended`); the entry
         carries the prompt's own id and position, so it can never be placed at another prompt's."""
+        if self.fence is not None:
+            self.fence()
         if self.log is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log = self.log_path.open("a", encoding="utf-8")
@@ -425,8 +428,9 @@ def resume_shard(store: RunStore, prompts: ShardRef, run_id: str, spill: Callabl
     previous = finished_shard(store, prompts.index, replay.positions)
     if previous is not None:
         replay.entries = previous[1]
+    local = store.local_path(segment_folder(prompts.index)) is not None  # the log is in the run folder
     state = ShardState(prompts, partial_log_path(store, prompts.index, run_id), log_header(run_id, prompts),
-                       spill=spill)
+                       spill=spill, fence=store.check_fence if local else None)
     stale: list[str] = []
     for rel in store.list(segment_folder(prompts.index), ".jsonl") if spill is not None else []:
         if replay.apply(store.read_text(rel).splitlines(), rel):

@@ -7,6 +7,10 @@ free up or are added; retries wait for slots before new prompts. Failure is boun
 failing is backed off (one warning when it goes down, one when it recovers), and the run gives up, keeping what it
 finished, once no endpoint is left or none has succeeded for `server.give_up_after_s`. Stage verdicts are
 UserErrors, never retried by Prefect.
+
+Cancel means stop: once the `stop` event is set (from another thread: the flow run got SIGTERM or Ctrl-C, or was
+cancelled), no request is sent any more, those in flight are abandoned (their prompts stay unanswered, asked by the
+next run), every partial log is flushed and closed, and `run` raises `GenerationCancelled`.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import gc
 import json
 import random
 import selectors
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -49,6 +54,17 @@ from tasks.generation.records import (
     resume_shard,
     rollout_prompt,
 )
+
+
+STOP_POLL_S = 0.2  # how often the event loop looks at the stop event: a stop takes at most this long to act
+
+
+class GenerationCancelled(GenerationError):
+    """Generation was stopped from outside (a termination signal, Ctrl-C, a cancel): what was logged is kept."""
+
+    def __init__(self) -> None:
+        super().__init__("cancelled: generation stopped by a termination signal or a cancel; run again to resume "
+                         "(finished records are kept)")
 
 
 class StallClock(selectors.DefaultSelector):
@@ -113,8 +129,11 @@ class GenerationScheduler:
 
     def __init__(self, store: RunStore, settings: GenerationSettings, server: ServerConfig,
                  validation: ValidationConfig, log: Log, progress_every_s: float = 5.0,
-                 on_progress: Callable[[float], None] | None = None, sequence_source: str = "auto") -> None:
+                 on_progress: Callable[[float], None] | None = None, sequence_source: str = "auto",
+                 stop: threading.Event | None = None) -> None:
         self.store = store
+        self.stop = stop or threading.Event()  # set from another thread: send nothing more and end (cancelled)
+        self._stopped = False  # the stop was seen: the run is ending
         self.sequence_source = sequence_source  # sequences.source: whether servers without token ids are refused
         self.settings = settings
         # each mode's spec, resolved once (a profile without `modes` derives its specs on every look-up)
@@ -217,6 +236,8 @@ class GenerationScheduler:
         self.plan(prompt_shards)
         if self.total == 0:
             return [self.finished[r.index] for r in prompt_shards]
+        if self.stop.is_set():
+            raise GenerationCancelled()
         if self.server.share_budget_across_runs:
             self._run_budget = await shared_budget(self.server)
         gc.freeze()  # what start-up built lives for the whole run: keep full collections from walking it
@@ -235,7 +256,7 @@ class GenerationScheduler:
                                    self.sequence_source, modes)
         self.started_at, cpu_at_start = time.monotonic(), time.process_time()
         clock.restart()  # start-up (imports, the first shard's read) is not the steady state
-        helpers = [asyncio.create_task(self._report())]
+        helpers = [asyncio.create_task(self._report()), asyncio.create_task(self._watch_stop())]
         if auto:
             helpers += [asyncio.create_task(follow_load(self.pool, e, self.log)) for e in self.pool.endpoints]
         for helper in helpers:
@@ -245,8 +266,8 @@ class GenerationScheduler:
             try:
                 await self._dispatcher
             except asyncio.CancelledError:
-                if self._crash is None:  # not stopped by a request that raised (`_ended`), but from outside
-                    raise
+                if self._crash is None and not self._stopped:  # not stopped by a request that raised (`_ended`)
+                    raise  # or by the stop event (`_watch_stop`), but from outside
             longest_stall_s = clock.longest_s  # before the shutdown's waits for the last writes
         finally:
             for pending in [*self._requests, *helpers, *([self._reading] if self._reading else [])]:
@@ -259,6 +280,8 @@ class GenerationScheduler:
             await self._shut_down()
         if self._crash is not None:
             raise self._crash
+        if self._stopped:
+            raise GenerationCancelled()
         cpu_per_request = (time.process_time() - cpu_at_start) / self.total
         self._raise_if_short()
         self.log.info("generation done: %d prompts, %d retries, %.1fs; longest event-loop stall %.0f ms, client CPU "
@@ -401,6 +424,17 @@ class GenerationScheduler:
         if request.cancelled() or request.exception() is None or self._crash is not None:
             return
         self._crash = request.exception()
+        self._dispatcher.cancel()
+        self._stop_requests()
+
+    async def _watch_stop(self) -> None:
+        """Stop the run once the stop event is set: the dispatcher sends nothing more, and the requests in flight
+        are abandoned (cancelled: their connections close, and their prompts are asked by the next run)."""
+        while not self.stop.is_set():
+            await asyncio.sleep(STOP_POLL_S)
+        self._stopped = True
+        self.log.warning("generation stopped (a termination signal or a cancel): %d requests in flight abandoned, "
+                         "their prompts are asked again by the next run", len(self._requests))
         self._dispatcher.cancel()
         self._stop_requests()
 
@@ -610,8 +644,10 @@ def generate_shards(
     progress_every_s: float = 5.0,
     on_progress: Callable[[float], None] | None = None,
     sequence_source: str = "auto",
+    stop: threading.Event | None = None,
 ) -> list[ShardRef]:
-    """Generate every unfinished shard; returns the generation ShardRefs in shard order."""
+    """Generate every unfinished shard; returns the generation ShardRefs in shard order. Setting `stop` (from
+    another thread) ends it with `GenerationCancelled` within STOP_POLL_S."""
     scheduler = GenerationScheduler(store, settings, server, validation, log, progress_every_s, on_progress,
-                                    sequence_source)
+                                    sequence_source, stop)
     return scheduler.run(prompt_shards)

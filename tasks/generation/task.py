@@ -3,15 +3,16 @@ the shards it wrote handed on even when it ends short."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE, CachePolicy
-from prefect.context import TaskRunContext
+from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext, TaskRunContext
 
 from eagle3_datagen.artifacts import GenerationOutcome, ShardRef
+from eagle3_datagen.caching import handed_on
 from eagle3_datagen.config import PipelineConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.storage import RunLocation
@@ -51,36 +52,38 @@ class GenerationJob:
         return cls(settings, config.validation, config.sequences.source)
 
 
-@dataclass(kw_only=True)
-class EveryShardGenerated(CachePolicy):
-    """Generation's key (its prompt shards and job) while a marker vouches for every shard; None (look at storage)
-    otherwise: a shard reopened, deleted or found changed is never taken from the cache."""
-
-    def compute_key(self, task_ctx: TaskRunContext, inputs: dict[str, Any] | None,
-                    flow_parameters: dict[str, Any] | None, **kwargs: Any) -> str | None:
-        given = inputs or {}
-        shards, run = given.get("prompt_shards"), given.get("run")
-        if shards is None or run is None:
-            return None
-        store = run.store()
-        if any(marked_finished(store, ref) is None for ref in shards):
-            return None
-        return GENERATIONS.key(prompt_shards=shards, job=given.get("job"))
+def cancel_event() -> threading.Event | None:
+    """The event the flow run's task runner sets for this task run when the flow run stops: on SIGTERM (what
+    Prefect's runner sends a deployment's flow run cancelled from the UI, or `kill`), Ctrl-C, or any other exit of
+    the flow while the task runs. Prefect's thread-pool runner sets it, then waits for its threads: generation
+    must see it, or every prompt left would be asked first. None where the runner keeps no such event (a Ray run).
+    """
+    flow_run, task_run = FlowRunContext.get(), TaskRunContext.get()
+    events = getattr(getattr(flow_run, "task_runner", None), "_cancel_events", None)
+    if task_run is None or not isinstance(events, dict):
+        return None
+    event = events.get(task_run.task_run.id)
+    return event if isinstance(event, threading.Event) else None
 
 
 @task(name="generate", task_run_name="{run.run_name}/generate", retries=1, retry_condition_fn=retry_unless_user_error,
-      persist_result=True, cache_policy=EveryShardGenerated())
+      persist_result=True, cache_policy=NO_CACHE)
 def generate(prompt_shards: list[ShardRef], job: GenerationJob, server: ServerConfig,
              run: RunLocation) -> list[ShardRef]:
     """Generate all shards with one shared in-flight budget; resumes from partial logs.
 
     The UI shows each shard's progress live (a table artifact). A run that ends short raises `GenerationStopped`,
-    which still hands the shards it wrote to the next stages (see `generated_shards`).
+    which still hands the shards it wrote to the next stages (see `generated_shards`). Where a marker vouches for
+    every shard, nothing is read: they are handed on.
     """
     store = run.store()
+    marked = [marked_finished(store, ref) for ref in prompt_shards]
+    if all(ref is not None for ref in marked):
+        return handed_on([ref for ref in marked if ref is not None],
+                         GENERATIONS.key(prompt_shards=prompt_shards, job=job))
     settings = job.settings
     scheduler = GenerationScheduler(store, settings, server, job.validation, get_run_logger(),
-                                    sequence_source=job.sequence_source)
+                                    sequence_source=job.sequence_source, stop=cancel_event())
 
     def in_flight_integral() -> tuple[float, float]:
         pool = scheduler.pool

@@ -11,9 +11,10 @@ import socket
 from dataclasses import dataclass
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from eagle3_datagen.artifacts import ShardRef, artifact_path, sha256_hex, worker_record_path
-from eagle3_datagen.caching import StageOutput
+from eagle3_datagen.caching import StageOutput, handed_on
 from eagle3_datagen.config import HiddenStatesConfig, PipelineConfig
 from eagle3_datagen.errors import ConfigurationError, retry_unless_user_error
 from eagle3_datagen.hidden_state_format import check_compression
@@ -41,7 +42,7 @@ HIDDEN_STATES = StageOutput("hidden_states", version=1,
 
 @task(name="extract-hidden-states", task_run_name="{run.run_name}/extract-hidden-states-{sequences.index:05d}",
       retries=1, retry_condition_fn=retry_unless_user_error, persist_result=True,
-      cache_policy=HIDDEN_STATES.cache_policy("sequences", "extraction"))
+      cache_policy=NO_CACHE)
 def extract_hidden_states(sequences: ShardRef, extraction: ExtractionSettings, run: RunLocation) -> ShardRef:
     """Prefect stage 6 for one shard; a transformers target stays loaded across the shards a process runs. A
     shard whose index was made under this key already is handed on without loading anything.
@@ -55,7 +56,8 @@ def extract_hidden_states(sequences: ShardRef, extraction: ExtractionSettings, r
     rel = artifact_path("hidden_states", sequences.index)
     key = HIDDEN_STATES.key(sequences=sequences, extraction=extraction)
     if (done := HIDDEN_STATES.done(store, sequences, key)) is not None:
-        return ShardRef("hidden_states", sequences.index, rel, done["num_samples"], sha256_hex(store.read_bytes(rel)))
+        return handed_on(ShardRef("hidden_states", sequences.index, rel, done["num_samples"],
+                                  sha256_hex(store.read_bytes(rel))), key)
     check_compression(settings.compression)  # this worker's torch, before a target is loaded or asked
     if settings.backend == "vllm":
         from tasks.hidden_states.vllm_backend import extract_shard_vllm, load_served_target

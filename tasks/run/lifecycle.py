@@ -35,9 +35,10 @@ from eagle3_datagen.artifacts import (
 from eagle3_datagen.config import PipelineConfig, absolute_uri, checked_run_name, parse_config
 from eagle3_datagen.errors import ConfigurationError, UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
+from eagle3_datagen.lease import Lease, held_lease
 from eagle3_datagen.modes import assign_mode
 from eagle3_datagen.redaction import redact
-from eagle3_datagen.storage import RunStore
+from eagle3_datagen.storage import RunLocation, RunStore
 from eagle3_datagen.think_tokens import discover_think_tokens, load_tokenizer, think_token_proof
 from tasks.run.plots import PLOT_FILES, drawn_plots, run_plots
 from tasks.run.report import mode_rows, render_report, run_shortfall, shard_row, turn_rows, where_outputs_are
@@ -54,6 +55,7 @@ class RunContext:
     on."""
 
     config: PipelineConfig
+    run: RunLocation  # with the epoch of the lease this run holds
     tokenizer_fingerprint: str
     target_fingerprint: str
     think_tokens: dict[str, Any]
@@ -107,11 +109,30 @@ def run_named(kind: str = "") -> Callable[[], str]:
     return name
 
 
-@task(name="start-run", task_run_name="{config.run_name}/start-run", cache_policy=NO_CACHE)
-def start_run(config: PipelineConfig) -> RunContext:
-    """Prove the think tokens before any request, and record config and fingerprints in the manifest."""
-    store = RunStore(config.output_uri, config.run_name)
+def take_run_lease(run: RunLocation) -> RunLocation:
+    """The run held by this flow run alone (its folder checked writable first), or refused in one line naming who
+    writes it; the location returned fences every write by the lease's epoch."""
+    store = run.store()
     store.check_writable()
+    return Lease.take(store, get_run_logger()).run
+
+
+def release_run_lease(flow: Any, flow_run: Any, state: Any) -> None:
+    """A flow hook, after the manifest's last word: the next start need not wait for the lease to expire."""
+    lease = held_lease(_store_of(flow_run))
+    if lease is not None:
+        lease.release()
+
+
+def _store_of(flow_run: Any) -> RunStore:
+    config = PipelineConfig.model_validate(flow_run.parameters["config"])
+    return RunStore(config.output_uri, config.run_name or flow_run.name)
+
+
+@task(name="start-run", task_run_name="{config.run_name}/start-run", cache_policy=NO_CACHE)
+def start_run(config: PipelineConfig, run: RunLocation) -> RunContext:
+    """Prove the think tokens before any request, and record config and fingerprints in the manifest."""
+    store = run.store()
     create_markdown_artifact(key=ui_key(config.run_name, "output"), markdown=f"Output: {where_outputs_are(store.uri)}",
                              description=f"where {config.run_name} writes its outputs")
     manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {"created_at": _now()}
@@ -120,6 +141,7 @@ def start_run(config: PipelineConfig) -> RunContext:
     proven = proof is not None and manifest.get("think_token_proof") == proof
     context = RunContext(
         config=config,
+        run=run,
         tokenizer_fingerprint=tokenizer_fingerprint,
         target_fingerprint=fingerprint(config.target_model),
         think_tokens=manifest["think_tokens"] if proven else
@@ -167,7 +189,7 @@ def finish_run(context: RunContext, prompts: PromptLoadResult, generation: Gener
     `generation.error` is why generation ended short, as raised (None: it did not).
     """
     config, prompt_shards = context.config, prompts.shards
-    store = RunStore(config.output_uri, config.run_name)
+    store = context.run.store()
     with_hidden = config.hidden_states.backend != "none"
     end_id = context.think_tokens["end_id"]
     num_shards = len(prompt_shards)
@@ -251,12 +273,15 @@ def end_run(store: RunStore, status: str, cause: str | None, **fields: Any) -> N
 def record_run_end(status: str) -> Callable[[Any, Any, Any], None]:
     """A Prefect flow hook that ends the manifest when the flow fails, crashes or is cancelled.
 
-    The flow's `config` parameter names the run. A run that never got as far as its manifest leaves none.
+    The flow's `config` parameter names the run. Only the run's writer ends it: an attempt refused before it held
+    the run's lease (other settings, another writer) leaves the manifest as it was, byte for byte.
     """
 
     def hook(flow: Any, flow_run: Any, state: Any) -> None:
-        config = PipelineConfig.model_validate(flow_run.parameters["config"])
-        store = RunStore(config.output_uri, config.run_name or flow_run.name)
+        lease = held_lease(_store_of(flow_run))
+        if lease is None:
+            return
+        store = lease.run.store()
         manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
         if manifest.get("status") != "running":
             return  # finish-run already ended it, or the run failed before it began

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from eagle3_datagen import fingerprints
 from eagle3_datagen.artifacts import ShardRef, artifact_path
-from eagle3_datagen.caching import StageOutput
+from eagle3_datagen.caching import StageOutput, handed_on
 from eagle3_datagen.fingerprints import fingerprint
 from eagle3_datagen.profiles import BUILTIN_PROFILES
 from eagle3_datagen.storage import RunLocation
@@ -22,28 +22,25 @@ SEQUENCES_LIKE = StageOutput("sequences", version=1, record=lambda ref: artifact
                              marked=True)
 
 
-def _key(policy_inputs: dict[str, object]) -> str | None:
-    return SEQUENCES_LIKE.cache_policy("generations", "settings").compute_key(
-        None, policy_inputs, None)  # type: ignore[arg-type]
-
-
 def test_settings_a_then_b_then_a_again_runs_the_stage_again(tmp_path: Path) -> None:
-    """Settings A, then B (which rewrites the same output from the same input), then A: Prefect's cache holds A's
-    result, but storage holds B's output, so A must run again."""
-    run = RunLocation(str(tmp_path), "run")
-    store = run.store()
+    """Settings A, then B (which rewrites the same output from the same input), then A: storage holds B's output,
+    so A is not done and runs again, whatever a cache of the first A run would say."""
+    store = RunLocation(str(tmp_path), "run").store()
     ref = ShardRef("generations", 2, artifact_path("generations", 2), 4, "a" * 64)
-    a, b = {"generations": ref, "settings": "A", "run": run}, {"generations": ref, "settings": "B", "run": run}
-    assert _key(a) is None, "no output yet: the task runs"
-    key_a = SEQUENCES_LIKE.key(generations=ref, settings="A")
+    key_a, key_b = (SEQUENCES_LIKE.key(generations=ref, settings=settings) for settings in ("A", "B"))
+    assert SEQUENCES_LIKE.done(store, ref, key_a) is None, "no output yet: the task runs"
     store.write_shard_bytes("sequences", 2, b"made under A", 4, stage_key=key_a)
-    assert _key(a) == key_a, "made under this key: a re-run may take Prefect's cached result"
-    assert _key(b) is None, "other settings: the task runs"
-    store.write_shard_bytes("sequences", 2, b"made under B", 4, stage_key=SEQUENCES_LIKE.key(generations=ref,
-                                                                                            settings="B"))
-    assert _key(a) is None, "A's cached result no longer describes storage: the task runs again"
+    assert SEQUENCES_LIKE.done(store, ref, key_a) is not None, "made under this key: handed on"
+    assert SEQUENCES_LIKE.done(store, ref, key_b) is None, "other settings: the task runs"
+    store.write_shard_bytes("sequences", 2, b"made under B", 4, stage_key=key_b)
+    assert SEQUENCES_LIKE.done(store, ref, key_a) is None, "storage holds B's output: A runs again"
     store.remove("sequences")
-    assert _key(b) is None, "a deleted folder is rebuilt, not vouched for by a cached result"
+    assert SEQUENCES_LIKE.done(store, ref, key_b) is None, "a deleted folder is rebuilt"
+
+
+def test_an_output_found_done_is_handed_on_as_itself_outside_a_task_run() -> None:
+    """Inside a task run it becomes Prefect's Cached state (tests/e2e/test_pipeline.py counts the stage lines)."""
+    assert handed_on("the stored output", "k" * 64) == "the stored output"
 
 
 def test_an_output_changed_behind_its_marker_is_not_done(tmp_path: Path) -> None:
