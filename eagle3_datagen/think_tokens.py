@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -41,10 +42,16 @@ class ThinkTokenSpec:
         return asdict(self)
 
 
+_IMPORTING = threading.Lock()
+
+
 @lru_cache(maxsize=8)
 def load_tokenizer(path_or_id: str) -> PreTrainedTokenizerBase:
-    """A tokenizer loaded once per process; remote code is never executed."""
-    from transformers import AutoTokenizer
+    """A tokenizer loaded once per process; remote code is never executed. The first import of transformers is
+    made by one thread at a time: shard tasks that start together each make it, and two at once can fail one with
+    an ImportError."""
+    with _IMPORTING:
+        from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(path_or_id, trust_remote_code=False)

@@ -4,10 +4,15 @@ one clean run, and the property it must leave behind.
 A case is drawn from a seed alone. Each attempt runs the real command in its own process against a scripted
 server (`sign_settings`: every answer names the temperature and max_tokens it was asked under) and may be
 SIGKILLed after some requests or seconds; before an attempt the dataset may gain rows at the top, lose rows, or be
-cut into other shard sizes, and the sampling settings or the held-out share may change. After the last, clean
-attempt, either every prompt of the final dataset is answered exactly once, under the final settings, in its own
-shard, in the split the final held-out share chooses, with `verify` clean and nothing rejected, or the run was
-refused with one line and lost nothing already written.
+cut into other shard sizes, and the sampling settings or the held-out share may change. An attempt may also be
+stopped with SIGTERM instead, meet malformed 200 answers, find its server restarted on another checkpoint, or
+have a second start of the same run beside it. After the last, clean attempt, either every prompt of the final
+dataset is answered exactly once, under the final settings, in its own shard, in the split the final held-out
+share chooses, with `verify` clean and nothing rejected, or the run was refused with one line and lost nothing
+already written. Throughout, no answer logged under an attempt's settings is asked again (the server's requests
+are counted), and a start refused for its settings or for another writer leaves the manifest byte for byte.
+
+The newer kinds are drawn from a stream of their own (`kinds:SEED`), so a seed's older case stays what it was.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, signe
 
 QUESTIONS = 60  # the pool the datasets draw their rows from
 FAULTS = ("none", "none", "401-burst", "500s", "death")
+CHECKPOINTS = ("/models/resume-a", "/models/resume-b")  # what the scripted server serves under the model's name
 RUN_NAME = "resume"
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,6 +62,9 @@ class Attempt:
     kill_after_requests: int | None = None  # SIGKILL once the server has seen this many requests
     kill_after_s: float | None = None  # or this long after the start (the imports, the prompt stage, ...)
     holdout: float = 0.01  # data.holdout: which prompts are held out follows the final share
+    stop_signal: str = "SIGKILL"  # SIGTERM: stopped as a user or a UI cancel stops it, which must stop it in seconds
+    checkpoint: str = CHECKPOINTS[0]  # the other one: a server restarted on other weights under the same name
+    second_start: bool = False  # a second `run` of the same run once the first has sent a request: refused
 
     @property
     def settings(self) -> str:
@@ -109,13 +118,23 @@ def draw_case(seed: int, max_attempts: int = 4) -> Case:
                                 kill_after_s=round(rng.uniform(0.5, 12.0), 2) if rng.random() < 0.4 else None,
                                 holdout=holdout))
     attempts[-1] = Attempt(rows, shard_size, temperature, max_tokens, "none", 0, holdout=holdout)
+    kinds = random.Random(f"kinds:{seed}")
+    for number, attempt in enumerate(attempts[:-1]):
+        attempts[number] = replace(
+            attempt, fault="malformed" if kinds.random() < 0.15 else attempt.fault,
+            stop_signal="SIGTERM" if kinds.random() < 0.25 else "SIGKILL",
+            checkpoint=CHECKPOINTS[1] if number and kinds.random() < 0.1 else CHECKPOINTS[0],
+            second_start=kinds.random() < 0.15)
     return Case(seed, tuple(attempts))
 
 
 def _script(attempt: Attempt, model: str, tokenizer: Any) -> Script:
     faults = {"401-burst": ["ok"] * attempt.fault_after + ["http-401"] * 20,
-              "500s": ["ok"] * attempt.fault_after + ["http-500"] * 6}.get(attempt.fault, [])
-    return Script(model=model, tokenizer=tokenizer, latency_s=0.05, faults=faults, sign_settings=True)
+              "500s": ["ok"] * attempt.fault_after + ["http-500"] * 6,
+              # fewer than a prompt's tries (max_retries 2): retried as the endpoint's failure, never rejected
+              "malformed": ["ok"] * attempt.fault_after + ["broken-choice"] * 2}.get(attempt.fault, [])
+    return Script(model=model, tokenizer=tokenizer, latency_s=0.05, faults=faults, sign_settings=True,
+                  checkpoint=attempt.checkpoint)
 
 
 def _config(attempt: Attempt, folder: Path, url: str, model: Path, model_name: str) -> Path:
@@ -137,36 +156,75 @@ def _config(attempt: Attempt, folder: Path, url: str, model: Path, model_name: s
     return path
 
 
-def _attempt(attempt: Attempt, config: Path, server: ScriptedServer, env: dict[str, str]) -> tuple[int | None, str,
-                                                                                                  str | None]:
-    """Run the command once: (exit status or None if killed, its stderr, where the kill landed)."""
+@dataclass
+class Ran:
+    """One attempt as it went: its exit status (None if killed), stderr, where a kill landed, how long a SIGTERM
+    took to end it, and the second start's exit status and last line (if one was made)."""
+
+    status: int | None
+    stderr: str
+    kill_point: str | None = None
+    stop_took_s: float | None = None
+    second: tuple[int, str] | None = None
+
+
+STOP_WITHIN_S = 20.0  # a SIGTERM must end the command within this
+
+
+def _command(config: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", str(config)], env=env, cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=as_from_a_terminal)
+
+
+def _attempt(attempt: Attempt, config: Path, server: ScriptedServer, env: dict[str, str]) -> Ran:
+    """Run the command once, stopping it where the attempt says."""
     started = time.monotonic()
-    child = subprocess.Popen([sys.executable, "-m", "cli.main", "run", "--config", str(config)], env=env, cwd=REPO,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                             preexec_fn=as_from_a_terminal)
+    child = _command(config, env)
     stderr: list[str] = []
     reader = threading.Thread(target=lambda: stderr.extend(child.stderr or []), daemon=True)
     reader.start()
     if attempt.fault == "death":
         threading.Thread(target=_kill_server_after, args=(server, attempt.fault_after, child), daemon=True).start()
-    kill_point = None
+    ran = Ran(None, "")
+    second = None
     while child.poll() is None:
         elapsed = time.monotonic() - started
+        if attempt.second_start and second is None and server.log.requests >= 1:
+            second = _command(config, env)
         by_requests = attempt.kill_after_requests is not None and server.log.requests >= attempt.kill_after_requests
         by_time = attempt.kill_after_s is not None and elapsed >= attempt.kill_after_s
         if by_requests or by_time:
-            os.killpg(child.pid, signal.SIGKILL)
-            kill_point = f"{server.log.requests} requests, {elapsed:.1f} s"
+            ran.kill_point = f"{server.log.requests} requests, {elapsed:.1f} s, {attempt.stop_signal}"
+            ran.stop_took_s = _stop(child, attempt.stop_signal)
             break
         if elapsed > 300:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
             reader.join(timeout=10)
-            return -1, "".join(stderr) + "\n(attempt did not end in 300 s)", None
+            ran.status, ran.stderr = -1, "".join(stderr) + "\n(attempt did not end in 300 s)"
+            return ran
         time.sleep(0.02)
     child.wait()
     reader.join(timeout=30)
-    return (None if kill_point else child.returncode), "".join(stderr), kill_point
+    ran.status, ran.stderr = (None if ran.kill_point else child.returncode), "".join(stderr)
+    if second is not None:
+        _, second_err = second.communicate(timeout=300)
+        ran.second = (second.returncode, (second_err.strip().splitlines() or [""])[-1])
+    return ran
+
+
+def _stop(child: subprocess.Popen[str], how: str) -> float:
+    """Stop the command with `how`; the seconds it took to end (a SIGTERM not obeyed in STOP_WITHIN_S is followed
+    by a SIGKILL, and the time says so)."""
+    sent = time.monotonic()
+    os.killpg(child.pid, getattr(signal, how))
+    try:
+        child.wait(timeout=STOP_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+    return time.monotonic() - sent
 
 
 def _kill_server_after(server: ScriptedServer, requests: int, child: subprocess.Popen[str]) -> None:
@@ -263,6 +321,31 @@ def _stale_splits(attempt: Attempt, run: Path, shard_of: dict[str, str]) -> list
     return [row["id"] for row in rows if row["split"] != split.split_of(prompt_id_of(row["id"]), DEFAULT_MODE)]
 
 
+def _logged_answers(run: Path, settings: str) -> set[str]:
+    """The questions whose answers the run holds under `settings`: in finished shards, or in partial logs and not
+    voided by a later `discard` (an aborted window's answers, asked again on purpose)."""
+    logged: dict[str, str] = {}  # prompt id -> its question
+    for path in sorted((run / "generations").glob("shard-*.jsonl")):
+        partial = path.name.endswith(".partial.jsonl")
+        for line in path.read_text().splitlines():
+            entry = json.loads(line)
+            if partial and "discard" in entry:
+                logged.pop(entry["id"], None)
+            for record in entry.get("records", []) if partial else [entry]:
+                if signed_settings(record.get("content") or "") == settings:
+                    logged[prompt_id_of(record["id"])] = record["messages"][-1]["content"]
+    return set(logged.values())
+
+
+def _asked(server: ScriptedServer) -> list[str]:
+    return [body["messages"][-1]["content"] for body in server.log.bodies]
+
+
+def _manifest(run: Path) -> bytes | None:
+    path = run / "manifest.json"
+    return path.read_bytes() if path.exists() else None
+
+
 def run_case(case: Case, folder: Path, model: Path, model_name: str, tokenizer: Any, env: dict[str, str],
              verify: Any) -> Outcome:
     """Play a case in `folder`; `verify(run_folder) -> exit status` is the `verify` command."""
@@ -270,30 +353,56 @@ def run_case(case: Case, folder: Path, model: Path, model_name: str, tokenizer: 
     run = folder / "runs" / RUN_NAME
     for number, attempt in enumerate(case.attempts):
         final = number == len(case.attempts) - 1
-        before = _files(run / "generations")
+        served = run / "generations" / "served.json"
+        if final and served.exists():  # the clean run is served what the run's answers came from
+            attempt = replace(attempt, checkpoint=json.loads(served.read_text())["checkpoint"])
+        before, manifest = _files(run / "generations"), _manifest(run)
+        logged = _logged_answers(run, attempt.settings) & {question(r) for r in attempt.rows}
         server = ScriptedServer(_script(attempt, model_name, tokenizer)).__enter__()
         try:
-            status, stderr, kill_point = _attempt(attempt, _config(attempt, folder, server.url, model, model_name),
-                                                  server, env)
+            ran = _attempt(attempt, _config(attempt, folder, server.url, model, model_name), server, env)
         finally:
             server.__exit__(None, None, None)
-        if kill_point:
-            outcome.kill_points.append(kill_point)
+        label = f"attempt {number + 1} ({attempt.fault}, {attempt.stop_signal}, {attempt.checkpoint})"
+        outcome.violations += _attempt_violations(label, ran, logged, _asked(server), manifest, run)
+        if ran.kill_point:
+            outcome.kill_points.append(ran.kill_point)
             continue
-        if status != 0 and (why := _one_line_failure(stderr)):
-            outcome.violations.append(f"attempt {number + 1} ({attempt.fault}): {why}: {stderr[-1500:]}")
+        if ran.status != 0 and (why := _one_line_failure(ran.stderr)):
+            outcome.violations.append(f"{label}: {why}: {ran.stderr[-1500:]}")
         if not final:
             continue
-        if status == 0:
+        if ran.status == 0:
             outcome.violations += _final_violations(attempt, run, verify(run))
-        elif "was generated with other settings" in stderr:
-            outcome.refused = stderr.strip().splitlines()[-1]
+        elif "was generated with other settings" in ran.stderr:
+            outcome.refused = ran.stderr.strip().splitlines()[-1]
             if _files(run / "generations") != before:
                 outcome.violations.append("the refused run changed what was already written")
             outcome.violations += _restored(attempt, folder, model, model_name, tokenizer, env, verify)
         else:
-            outcome.violations.append(f"the clean final run failed: {stderr.strip().splitlines()[-1:]}")
+            outcome.violations.append(f"the clean final run failed: {ran.stderr.strip().splitlines()[-1:]}")
     return outcome
+
+
+def _attempt_violations(label: str, ran: Ran, logged: set[str], asked: list[str], manifest: bytes | None,
+                        run: Path) -> list[str]:
+    """What one attempt broke: an answer paid for asked again, a SIGTERM not obeyed, a second writer let in, a
+    refused start that touched the manifest."""
+    violations = []
+    if again := sorted(logged & set(asked)):
+        violations.append(f"{label}: {len(again)} answers logged under its settings asked again, e.g. {again[0]!r}")
+    if ran.stop_took_s is not None and ran.kill_point and ran.kill_point.endswith("SIGTERM"):
+        if ran.stop_took_s >= STOP_WITHIN_S:
+            violations.append(f"{label}: SIGTERM did not end the command in {STOP_WITHIN_S:.0f} s")
+        elif _manifest(run) != manifest and json.loads(_manifest(run) or b"{}").get("status") != "cancelled":
+            violations.append(f"{label}: stopped by SIGTERM, the manifest does not say cancelled")
+    if ran.second is not None and ran.second[0] != 0 and "is being written by" not in ran.second[1]:
+        violations.append(f"{label}: the second start failed otherwise than refused: {ran.second[1]}")
+    refused = ran.status == 1 and ("was generated with other settings" in ran.stderr
+                                   or "is being written by" in ran.stderr)
+    if refused and _manifest(run) != manifest:
+        violations.append(f"{label}: refused, yet it changed the manifest")
+    return violations
 
 
 def _restored(attempt: Attempt, folder: Path, model: Path, model_name: str, tokenizer: Any, env: dict[str, str],
@@ -303,7 +412,7 @@ def _restored(attempt: Attempt, folder: Path, model: Path, model_name: str, toke
     pinned = json.loads((run / "generations" / "settings.json").read_text())["generation"]
     restored = replace(attempt, temperature=pinned["temperature"], max_tokens=pinned["max_tokens"])
     with ScriptedServer(_script(restored, model_name, tokenizer)) as server:
-        status, stderr, _ = _attempt(restored, _config(restored, folder, server.url, model, model_name), server, env)
-    if status != 0:
-        return [f"the run under its recorded settings failed: {stderr.strip().splitlines()[-1:]}"]
+        ran = _attempt(restored, _config(restored, folder, server.url, model, model_name), server, env)
+    if ran.status != 0:
+        return [f"the run under its recorded settings failed: {ran.stderr.strip().splitlines()[-1:]}"]
     return _final_violations(restored, run, verify(run))

@@ -2,7 +2,9 @@
 
 An endpoint that refuses every request (a rejected key, a model it does not serve, a route it lacks, the same
 refusal to many prompts in a row) is dropped at once: its refusals say nothing about the prompts, which are asked
-again elsewhere, or after the fix.
+again elsewhere, or after the fix. So is one that keeps answering with errors (`max_consecutive_errors` in a row:
+HTTP 500, or answers that break the protocol): a prompt it answered malformed on every try is its prompt's own
+failure only while the endpoint answers other prompts, so the pool says when it gives an endpoint up (`on_dead`).
 
 Everything here runs on one event loop with no await between reading and changing state, so there is no lock:
 a request waits on a future of its own, woken one at a time as slots free up (FIFO, like asyncio.Semaphore),
@@ -57,10 +59,12 @@ class EndpointPool:
     `max_consecutive_errors` such answers in a row. The run gives up when no endpoint is left or the wait is over.
     """
 
-    def __init__(self, endpoints: list[Endpoint], server: ServerConfig, log: Log) -> None:
+    def __init__(self, endpoints: list[Endpoint], server: ServerConfig, log: Log,
+                 on_dead: Callable[[str], None] | None = None) -> None:
         self.endpoints = endpoints
         self._server = server
         self._log = log
+        self._on_dead = on_dead  # called with an endpoint's URL when it is given up on, whatever the cause
         self._waiters: deque[asyncio.Future[None]] = deque()  # new prompts
         self._retries: deque[asyncio.Future[None]] = deque()  # prompts that failed once and wait to try again
         self._timers: list[asyncio.TimerHandle] = []
@@ -183,6 +187,8 @@ class EndpointPool:
         if any(not e.dead for e in self.endpoints):
             self._log.warning("endpoint %s answered %d requests in a row with an error (server.max_consecutive_errors"
                               "): no more requests go to it; last: %s", endpoint.url, limit, error)
+        if self._on_dead is not None:
+            self._on_dead(endpoint.url)
 
     def drop(self, url: str, cause: str) -> None:
         """No more requests go to the endpoint at `url`: it refuses every request, for `cause` (with its fix)."""
@@ -192,6 +198,8 @@ class EndpointPool:
         endpoint.dead, endpoint.refused_all = True, cause
         if any(not e.dead for e in self.endpoints):
             self._log.warning("endpoint %s refuses every request: no more requests go to it; %s", url, cause)
+        if self._on_dead is not None:
+            self._on_dead(url)
         self.check(time.monotonic())
 
     def _failed(self, endpoint: Endpoint, trial: bool, error: RequestFailed, now: float) -> None:

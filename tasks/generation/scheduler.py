@@ -55,8 +55,10 @@ from tasks.generation.records import (
     rollout_prompt,
 )
 
-
-STOP_POLL_S = 0.2  # how often the event loop looks at the stop event: a stop takes at most this long to act
+# how often the event loop looks at the stop event (set from another thread, which cannot wake the loop): a stop
+# acts within this; five wake-ups a second cost the client nothing it would notice
+STOP_POLL_S = 0.2
+MALFORMED = "malformed answer to each of"  # how the rejection of a prompt answered malformed on every try begins
 
 
 class GenerationCancelled(GenerationError):
@@ -89,6 +91,24 @@ class StallClock(selectors.DefaultSelector):
 
     def restart(self) -> None:
         self.longest_s, self._polled_at = 0.0, None
+
+
+def malformed_answer(error: RequestFailed, tries: int) -> str:
+    """A prompt's rejection reason when every try was answered with a body that breaks the protocol: the error's
+    one line (which names the endpoint and what broke)."""
+    return f"{MALFORMED} {tries} tries: {' '.join(str(error).split())}"
+
+
+def alike(refusal: str) -> str:
+    """What a held refusal is compared by (`HeldRefusals`): its message, but every malformed answer alike, for the
+    excerpt of the body in each names that response (its id): an endpoint broken for every prompt answers each
+    differently, and must not pass for one that refuses each prompt for a reason of its own."""
+    return MALFORMED if refusal.startswith(MALFORMED) else refusal
+
+
+def reasons(held: list[tuple[str, tuple[str, Prompt]]]) -> list[tuple[str, Prompt]]:
+    """Held refusals as (reason, prompt): the refusal as its prompt's rejection gives it."""
+    return [item for _, item in held]
 
 
 def budget_limit_name(endpoint: str) -> str:
@@ -153,7 +173,8 @@ class GenerationScheduler:
         self.counts = _Counts()
         self.total = 0
         self._window: list[Prompt] = []
-        self._held: HeldRefusals[Prompt] = HeldRefusals()  # refusals not yet known to be their prompts' own
+        # refusals not yet known to be their prompts' own, each held under what it is compared by (`alike`)
+        self._held: HeldRefusals[tuple[str, Prompt]] = HeldRefusals()
         self._cleared: list[tuple[str, Prompt]] = []  # known to be, and written once the run's refusals are in line
         self._requests: set[asyncio.Task[None]] = set()
         self._crash: BaseException | None = None  # what a request's task raised: the run stops with it
@@ -247,7 +268,8 @@ class GenerationScheduler:
         self._lookahead = 2 * most * len(self.server.endpoints)
         key = api_key(self.server)
         clients = [OpenAIClient(url, key, self.server.request_timeout_s) for url in self.server.endpoints]
-        self.pool = EndpointPool([Endpoint(c.base_url, c, limit) for c in clients], self.server, self.log)
+        self.pool = EndpointPool([Endpoint(c.base_url, c, limit) for c in clients], self.server, self.log,
+                                 on_dead=self._endpoint_dead)
         modes = [entry.mode for entry in self.settings.generation.mode_mix(self.settings.profile) if entry.weight]
         # by default the window never binds before the budget does (under auto: however far it grows meanwhile)
         window = self.validation.early_abort_after or max(MIN_WINDOW, most * len(self.server.endpoints))
@@ -299,7 +321,7 @@ class GenerationScheduler:
             if self.probation.error is not None or self.pool.gave_up is not None:
                 return
             if not self.queue:
-                self._cleared += self._held.take_all()
+                self._cleared += reasons(self._held.take_all())
                 self._reject_cleared()
                 return
         while self._requests:
@@ -360,9 +382,10 @@ class GenerationScheduler:
             self._keep_answer(prompt, outcome.completions)
             self.counts.accepted += 1
             self.counts.tokens += int(outcome.completions[0].usage.get("completion_tokens") or 0)
-            self._cleared += self._held.answered(outcome.endpoint, outcome.sent)
+            self._cleared += reasons(self._held.answered(outcome.endpoint, outcome.sent))
         elif outcome.refusal is not None:
-            self._cleared += self._held.refused(outcome.endpoint, outcome.sent, outcome.refusal, prompt)
+            self._cleared += reasons(self._held.refused(outcome.endpoint, outcome.sent, alike(outcome.refusal),
+                                                        (outcome.refusal, prompt)))
             if self._held.repeated(outcome.endpoint, outcome.sent):
                 self._drop(outcome.endpoint, repeated_refusal(outcome.refusal))
         elif not outcome.completions:
@@ -409,11 +432,14 @@ class GenerationScheduler:
             self.total -= prompt.rollout.user_turns_left
 
     def _drop(self, endpoint: str, cause: str) -> None:
-        """Send nothing more to an endpoint that refuses every request; the prompts whose refusals it holds are
-        asked again, first."""
+        """Send nothing more to an endpoint that refuses every request (`_endpoint_dead` follows)."""
         self.pool.drop(endpoint, cause)
+
+    def _endpoint_dead(self, endpoint: str) -> None:
+        """The pool gave an endpoint up (it refuses every request, or answers every request with an error): the
+        prompts whose refusals or malformed answers it holds are asked again, first; that failure was not theirs."""
         self.probation.endpoint_dropped(endpoint)
-        for reason, prompt in self._held.take(endpoint):
+        for reason, prompt in reasons(self._held.take(endpoint)):
             self.probation.retract(reason)
             self.queue.appendleft(prompt)
 
@@ -475,7 +501,14 @@ class GenerationScheduler:
         """How `prompt` ended, and the slot when the pool let this request keep it for the next prompt.
 
         An endpoint that refuses every request (the key, the model, the route) is dropped and the prompt asked
-        elsewhere: that refusal is not the prompt's, and costs it no try.
+        elsewhere: that refusal is not the prompt's, and costs it no try; so is a failure from an endpoint the pool
+        has given up on (it answered `max_consecutive_errors` requests in a row with an error).
+
+        A prompt answered with a malformed answer (a 200 that breaks the protocol) on every try ends refused with
+        that answer's error, as a refusal of its own: held like one (`HeldRefusals`) until a later request to the
+        same endpoint is answered, so an endpoint that answers every prompt so is given up on (and its prompts
+        asked again) rather than every prompt rejected. Any other failure on the last try (a 5xx, a timeout, a
+        dropped connection) leaves the prompt failed: asked again by the next run, as the server may be down.
         """
         settings = self.settings
         messages = prompt.messages
@@ -484,6 +517,7 @@ class GenerationScheduler:
         body = build_chat_request(settings.model, messages, self._mode_specs[prompt.mode], settings.generation,
                                   seed=prompt.seed, tools=prompt.tools)
         attempt = 0
+        malformed = True  # every try so far was answered with a body that breaks the protocol
         while True:
             if slot is None:
                 slot = await self.pool.acquire(retry=True)
@@ -507,7 +541,14 @@ class GenerationScheduler:
                     self._drop(endpoint.url, refused_all(error, self.server))
                     continue
                 self.pool.release(endpoint, trial, error)
+                if endpoint.dead:  # given up on: its failures say nothing about the prompt, asked elsewhere
+                    continue
+                malformed = malformed and error.status == 200
                 if attempt == self.server.max_retries:
+                    if malformed:
+                        reason = malformed_answer(error, attempt + 1)
+                        self.log.info("record %s: %s", prompt.record_id, reason)
+                        return Outcome(endpoint.url, refusal=reason, mode=prompt.mode, sent=sent), None
                     self.log.debug("record %s not generated after %d tries: %s", prompt.record_id, attempt + 1, error)
                     return Outcome(endpoint.url, mode=prompt.mode, sent=sent), None
                 self.counts.retries += 1

@@ -77,7 +77,9 @@ def settled_output(config: PipelineConfig) -> PipelineConfig:
     a run name: a deployment run left without one takes its flow run's (one name in the UI, not two)."""
     from prefect.runtime import flow_run
 
-    update = {"output_uri": absolute_uri(config.output_uri, _started_in(), "output_uri")}
+    started_in = _started_in()
+    update: dict[str, Any] = {"output_uri": absolute_uri(config.output_uri, started_in, "output_uri"),
+                              **local_paths_made_absolute(config, started_in)}
     if not config.run_name:
         try:
             update["run_name"] = checked_run_name(flow_run.name or "")
@@ -85,6 +87,21 @@ def settled_output(config: PipelineConfig) -> PipelineConfig:
             raise ConfigurationError(f"config key run_name: empty, and the flow run's name cannot name its folder: "
                                      f"{error}; set run_name, or name the flow run so") from None
     return config.model_copy(update=update)
+
+
+def local_paths_made_absolute(config: PipelineConfig, started_in: Path | None) -> dict[str, Any]:
+    """The dataset, tokenizer and target given as paths relative to where the run started, made absolute: a
+    `rerun-failed` or a deployment run elsewhere then reads what this run read (a hub id is no local path, and
+    stays as written)."""
+    def absolute(value: str | None) -> str | None:
+        if value is None or started_in is None or Path(value).is_absolute() or "://" in value:
+            return value
+        local = started_in / value
+        return str(local.resolve()) if local.exists() else value
+
+    return {"data": config.data.model_copy(update={"source": absolute(config.data.source)}),
+            "model": config.model.model_copy(update={"tokenizer": absolute(config.model.tokenizer)}),
+            "hidden_states": config.hidden_states.model_copy(update={"model": absolute(config.hidden_states.model)})}
 
 
 def settled_run(run: str) -> str:

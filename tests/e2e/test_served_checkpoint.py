@@ -23,7 +23,7 @@ def test_a_server_restarted_on_another_checkpoint_is_refused_before_any_request(
     def served(checkpoint: str, **script: object) -> ScriptedServer:
         return ScriptedServer(Script(model=DEMO_MODEL_NAME, tokenizer=tokenizer, checkpoint=checkpoint, **script))
 
-    with served("/models/a", unavailable_for="12 times 3") as first:  # one prompt left unanswered: the run resumes later
+    with served("/models/a", unavailable_for="12 times 3") as first:  # one prompt unanswered: the run resumes
         cfg = config(tiny_model, first.url, tmp_path, hidden_states__backend="none", server__max_retries=0)
         assert main(["run", "--config", write_config(tmp_path / "c.yaml", cfg)]) == 1
     assert (tmp_path / "flow" / "generations" / "served.json").exists()

@@ -40,6 +40,23 @@ def _prompts(index: int, count: int) -> ShardRef:
     return ShardRef("prompts", index, f"prompts/shard-{index:05d}.jsonl", count, "0" * 64)
 
 
+def test_local_inputs_given_relative_are_recorded_absolute_and_hub_ids_as_written(tmp_path: Path) -> None:
+    """A `rerun-failed` from another folder, or a deployment run, reads what the first run read."""
+    from eagle3_datagen.config import parse_config
+    from tasks.run.lifecycle import local_paths_made_absolute
+
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    (tmp_path / "tok").mkdir()
+    config = parse_config({"run_name": "r", "data": {"source": "data.jsonl"}, "server": {"endpoints": ["http://x:1"]},
+                           "model": {"name": "m", "profile": "qwen3", "tokenizer": "tok"},
+                           "hidden_states": {"model": "org/target"}})
+    settled = config.model_copy(update=local_paths_made_absolute(config, tmp_path))
+    assert settled.data.source == str(tmp_path / "data.jsonl")
+    assert settled.model.tokenizer == str(tmp_path / "tok")
+    assert settled.hidden_states.model == "org/target", "a hub id is not a local path"
+    assert config.model_copy(update=local_paths_made_absolute(config, None)) == config, "a worker has no folder"
+
+
 def test_the_shard_table_says_where_each_shard_stands() -> None:
     shards = [_prompts(0, 10), _prompts(1, 10), _prompts(2, 10)]
     counts = {0: {"records": 16}, 1: {"answered": 3, "refused": 1}}  # shard 0 written with n=2 samples a prompt
