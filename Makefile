@@ -74,11 +74,13 @@ test-browser:
 	       chromium >/dev/null; } \
 	  || echo "chromium could not be installed: the browser tests will skip"
 
-demo: setup
+# The demo builds only what it runs: the pipeline's and vLLM's environments and the tiny model (the suite's other
+# models and the trainers are `setup`'s).
+demo: $(VENV)/.installed $(VLLM_VENV)/.installed $(TINY_MODEL)/.built
 	$(VENV)/bin/eagle3-datagen demo
 
 # The image variant: the tiny vision-language model on drawn shapes (runs/demo-images).
-demo-images: setup
+demo-images: $(VENV)/.installed $(VLLM_VENV)/.installed $(TINY_VLM)/.built
 	$(VENV)/bin/eagle3-datagen demo --images
 
 lint: $(VENV)/.installed

@@ -152,7 +152,8 @@ class GenerationScheduler:
                  on_progress: Callable[[float], None] | None = None, sequence_source: str = "auto",
                  stop: threading.Event | None = None) -> None:
         self.store = store
-        self.stop = stop or threading.Event()  # set from another thread: send nothing more and end (cancelled)
+        # set from another thread (the flow run stops): send nothing more, and end cancelled
+        self.stop = stop if stop is not None else threading.Event()
         self._stopped = False  # the stop was seen: the run is ending
         self.sequence_source = sequence_source  # sequences.source: whether servers without token ids are refused
         self.settings = settings

@@ -115,6 +115,27 @@ def test_an_s3_upload_that_fails_midway_leaves_neither_the_object_nor_its_chunks
     assert uploads.get("Uploads", []) == []
 
 
+def test_one_writer_holds_a_run_locally_and_on_s3_and_a_taken_over_one_is_fenced(store: RunStore) -> None:
+    """The lease's file is created exclusively: an exclusive link locally, a conditional PUT (If-None-Match) on
+    Ceph's RGW, which answers 412 when the object exists."""
+    from eagle3_datagen.artifacts import lease_file
+    from eagle3_datagen.lease import Lease, RunBusy
+    from eagle3_datagen.storage import WriterFenced
+
+    assert store.create_exclusive("lease/probe.json", b"first")
+    assert not store.create_exclusive("lease/probe.json", b"second")
+    assert store.read_bytes("lease/probe.json") == b"first"
+    store.remove("lease")
+    lease = Lease.take(store)
+    with pytest.raises(RunBusy):
+        Lease.take(store)
+    store.write_bytes(lease_file(lease.holder.epoch + 1), b"{}")  # a successor took it over
+    with pytest.raises(WriterFenced):
+        lease.run.store().write_text("manifest.json", "{}")
+    lease.release()
+    assert not store.exists("manifest.json")
+
+
 @pytest.mark.parametrize("bad", ["../other-run/manifest.json", "/etc/passwd", "a/../../b", "..", "a\\..\\b"])
 def test_paths_cannot_leave_the_run_folder(store: RunStore, bad: str) -> None:
     with pytest.raises(StoragePathError, match="leaves the run folder"):
