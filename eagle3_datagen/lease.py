@@ -44,6 +44,7 @@ class Holder:
     since: float
     renewed_at: float
     released: bool = False
+    flow_run: str = ""  # the Prefect flow run that holds it: its hooks may end the run from another process
 
     def live(self, now: float) -> bool:
         """Still writing: renewed within LEASE_TTL_S, not released, and not a process this host knows is gone."""
@@ -92,14 +93,14 @@ class Lease:
         self._renewing.start()
 
     @classmethod
-    def take(cls, store: RunStore, log: Log = logger) -> Lease:
+    def take(cls, store: RunStore, log: Log = logger, flow_run: str = "") -> Lease:
         """Hold the run, or refuse in one line naming who holds it and how to take over."""
         now = time.time()
         current = current_holder(store)
         if current is not None and current.live(now):
             raise _busy(store, current)
         epoch = (current.epoch if current else 0) + 1
-        holder = Holder(epoch, uuid.uuid4().hex, socket.gethostname(), os.getpid(), now, now)
+        holder = Holder(epoch, uuid.uuid4().hex, socket.gethostname(), os.getpid(), now, now, flow_run=flow_run)
         if not store.create_exclusive(lease_file(epoch), _encoded(holder)):
             raced = current_holder(store)
             raise _busy(store, raced or holder)
@@ -140,6 +141,28 @@ _HELD: dict[str, Lease] = {}  # run folder -> the lease this process holds on it
 def held_lease(store: RunStore) -> Lease | None:
     """The lease this process holds on the run (None: it is not the run's writer)."""
     return _HELD.get(store.uri)
+
+
+def left_by(store: RunStore, flow_run: str) -> RunLocation | None:
+    """Where the hooks of `flow_run` may write the run's end: under this process's lease, or, from the process
+    that runs them after the flow run's own was stopped (a worker, after a cancel from the UI), under the lease the
+    flow run left, fenced by its epoch. None where the flow run never held the run (it was refused)."""
+    if (lease := held_lease(store)) is not None:
+        return lease.run
+    holder = current_holder(store)
+    if holder is None or holder.released or not flow_run or holder.flow_run != flow_run:
+        return None
+    return RunLocation(*store.uri.rstrip("/").rsplit("/", 1), epoch=holder.epoch)
+
+
+def release(store: RunStore, flow_run: str) -> None:
+    """The run's lease released by the flow run that held it, from its own process or the one running its hooks."""
+    if (lease := held_lease(store)) is not None:
+        lease.release()
+    elif (run := left_by(store, flow_run)) is not None:
+        holder = replace(current_holder(store), released=True, renewed_at=time.time())  # type: ignore[type-var]
+        with contextlib.suppress(WriterFenced):
+            run.store().write_bytes(lease_file(holder.epoch), _encoded(holder))
 
 
 def _busy(store: RunStore, holder: Holder) -> RunBusy:

@@ -73,6 +73,7 @@ def pipeline(config: PipelineConfig) -> dict[str, Any]:
     check_task_runner(config.execution)
     check_compression(config.hidden_states.compression)  # not hours later, after generation
     run = RunLocation(config.output_uri, config.run_name)
+    run.store().check_writable()  # before anything writes there: one line naming output_uri, on every path
     open_run_log(run.store())  # where the command opened none: a worker's run
     job = GenerationJob.from_config(config)
     refuse_other_settings(job.settings, run=run)  # before anything is written: a refused run changes nothing
@@ -82,8 +83,9 @@ def pipeline(config: PipelineConfig) -> dict[str, Any]:
     prompts = prompts_loaded.result()
     check_image_prompts(prompts, profile=config.profile, backend=config.hidden_states.backend)
 
-    # Each stage takes only what changes its output, in one settings object: its inputs are its cache key, so
-    # anything more would redo it when an unrelated setting changes.
+    # Each stage takes only what changes its output, in one settings object: with its inputs and output version it
+    # is the key the stage records beside its output, so anything more would redo it when an unrelated setting
+    # changes (eagle3_datagen/caching.py).
     unmarked = unmarked_shards(prompts.shards, run=run)  # unfinished, or found changed by a later stage
     if unfinished_shards(unmarked, run=run):
         check_servers(prompts.shards, check=ServerCheck.from_config(config), run=run)

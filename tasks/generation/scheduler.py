@@ -272,8 +272,9 @@ class GenerationScheduler:
         self.pool = EndpointPool([Endpoint(c.base_url, c, limit) for c in clients], self.server, self.log,
                                  on_dead=self._endpoint_dead)
         modes = [entry.mode for entry in self.settings.generation.mode_mix(self.settings.profile) if entry.weight]
-        # by default the window never binds before the budget does (under auto: however far it grows meanwhile)
-        window = self.validation.early_abort_after or max(MIN_WINDOW, most * len(self.server.endpoints))
+        # by default the window is the budget the run starts with (under auto, not the most it may grow to: a run
+        # whose first answers are wrong spends at most that many requests)
+        window = self.validation.early_abort_after or max(MIN_WINDOW, limit * len(self.server.endpoints))
         self.probation = Probation(min(window, self.total), self.server.endpoints,
                                    self.settings.model, self.settings.profile, self.validation,
                                    self.sequence_source, modes)

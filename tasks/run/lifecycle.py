@@ -35,7 +35,7 @@ from eagle3_datagen.artifacts import (
 from eagle3_datagen.config import PipelineConfig, absolute_uri, checked_run_name, parse_config
 from eagle3_datagen.errors import ConfigurationError, UserError, one_line
 from eagle3_datagen.fingerprints import fingerprint
-from eagle3_datagen.lease import Lease, held_lease
+from eagle3_datagen.lease import Lease, left_by, release
 from eagle3_datagen.modes import assign_mode
 from eagle3_datagen.redaction import redact
 from eagle3_datagen.storage import RunLocation, RunStore
@@ -127,18 +127,16 @@ def run_named(kind: str = "") -> Callable[[], str]:
 
 
 def take_run_lease(run: RunLocation) -> RunLocation:
-    """The run held by this flow run alone (its folder checked writable first), or refused in one line naming who
-    writes it; the location returned fences every write by the lease's epoch."""
-    store = run.store()
-    store.check_writable()
-    return Lease.take(store, get_run_logger()).run
+    """The run held by this flow run alone, or refused in one line naming who writes it; the location returned
+    fences every write by the lease's epoch."""
+    from prefect.runtime import flow_run
+
+    return Lease.take(run.store(), get_run_logger(), flow_run=str(flow_run.id or "")).run
 
 
 def release_run_lease(flow: Any, flow_run: Any, state: Any) -> None:
     """A flow hook, after the manifest's last word: the next start need not wait for the lease to expire."""
-    lease = held_lease(_store_of(flow_run))
-    if lease is not None:
-        lease.release()
+    release(_store_of(flow_run), str(flow_run.id))
 
 
 def _store_of(flow_run: Any) -> RunStore:
@@ -295,10 +293,10 @@ def record_run_end(status: str) -> Callable[[Any, Any, Any], None]:
     """
 
     def hook(flow: Any, flow_run: Any, state: Any) -> None:
-        lease = held_lease(_store_of(flow_run))
-        if lease is None:
+        run = left_by(_store_of(flow_run), str(flow_run.id))
+        if run is None:
             return
-        store = lease.run.store()
+        store = run.store()
         manifest = store.read_json(MANIFEST) if store.exists(MANIFEST) else {}
         if manifest.get("status") != "running":
             return  # finish-run already ended it, or the run failed before it began

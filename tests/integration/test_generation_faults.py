@@ -240,6 +240,16 @@ def test_early_abort_spends_at_most_n_requests(tmp_path: Path) -> None:
         assert all(record["reasoning"].strip() for record in store.read_jsonl(ref.path))
 
 
+def test_under_auto_a_run_without_reasoning_spends_at_most_the_starting_budget(tmp_path: Path) -> None:
+    """The README's promise: at most 32 requests before the abort, however far `auto` would grow the budget."""
+    store = RunStore(str(tmp_path), "abort-auto")
+    refs = write_prompt_shards(store, 4, 100)
+    with ScriptedServer(Script(shape="none", latency_s=0.05)) as server:
+        with pytest.raises(GenerationError, match="early abort"):
+            run_generation(store, refs, [server.url], budget="auto")  # type: ignore[arg-type]
+        assert server.log.requests <= 32
+
+
 def test_the_verdict_releases_the_budget_without_waiting_for_the_slowest_of_the_window(tmp_path: Path) -> None:
     store = RunStore(str(tmp_path), "run")
     refs = write_prompt_shards(store, 2, 50)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from eagle3_datagen import lease as leases
 from eagle3_datagen.artifacts import lease_file
-from eagle3_datagen.lease import LEASE_TTL_S, Lease, RunBusy, current_holder, refuse_while_written
+from eagle3_datagen.lease import LEASE_TTL_S, Lease, RunBusy, current_holder, left_by, refuse_while_written, release
 from eagle3_datagen.storage import RunStore, WriterFenced
 
 
@@ -78,3 +79,19 @@ def test_two_starts_at_once_leave_one_holder(tmp_path: Path) -> None:
     assert store.create_exclusive(lease_file(1), b"{}")
     assert not store.create_exclusive(lease_file(1), b"{}")
     assert not list(Path(store.root, "lease").glob("*.tmp-*")), "no temporary file is left beside it"
+
+
+def test_a_flow_run_stopped_elsewhere_is_ended_by_its_hooks_and_nobody_elses(tmp_path: Path) -> None:
+    """A cancel from the UI: the worker runs the flow run's hooks after the runner stopped its process. They may end
+    the run under the lease that flow run left, fenced by its epoch; a refused flow run's hooks may not."""
+    store = RunStore(str(tmp_path), "run")
+    lease = Lease.take(store, flow_run="flow-run-1")
+    lease._stop.set()
+    leases._HELD.clear()  # as in the worker's process, which never held it
+    assert left_by(store, "flow-run-2") is None, "another flow run's hooks write nothing"
+    run = left_by(store, "flow-run-1")
+    assert run is not None and run.epoch == lease.holder.epoch
+    run.store().write_text("manifest.json", '{"status": "cancelled"}')
+    release(store, "flow-run-1")
+    assert current_holder(store).released  # type: ignore[union-attr]
+    assert left_by(store, "flow-run-1") is None, "released: nothing more is written for it"
