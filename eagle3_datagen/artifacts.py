@@ -52,6 +52,12 @@ def lease_file(epoch: int) -> str:
     return f"{LEASE_FOLDER}/epoch-{epoch:08d}.json"
 
 
+def holds_answers(rel: str) -> bool:
+    """Whether a run-relative file or folder holds generation's answers (shards, markers, rejections, logs): a
+    layout that drops its shard leaves it for generation, which adopts its answers first, then removes it."""
+    return rel.startswith("generations/") or rel.startswith("rejected/generations-")
+
+
 SHARD_STAGES = ("generations", "validation", "sequences", "hidden_states", "rejected")  # made per prompt shard
 _SHARD_FILE = re.compile(r"(?:[a-z_]+-)?shard-(\d{5})(?:[./]|$)")
 

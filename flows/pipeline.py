@@ -149,10 +149,10 @@ def rerun_failed(run: str, redo_quarantined: bool = False) -> dict[str, Any]:
     """
     user_errors_one_line_in_the_ui()
     run = settled_run(run)
+    config = recorded_config(run)  # a folder that holds no run is refused before anything else is said of it
     print(rerun_plan(verify_run(RunStore.at(run)), redo_quarantined))
     if redo_quarantined:
         reopen_quarantined_shards(run)
-    config = recorded_config(run)
     return pipeline_for(config)(config)
 
 

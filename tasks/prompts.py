@@ -29,6 +29,7 @@ from eagle3_datagen.artifacts import (
     REJECTED_PATH,
     PromptLoadResult,
     ShardRef,
+    holds_answers,
     sha256_hex,
     shard_name,
 )
@@ -681,9 +682,10 @@ def write_prompt_shards(
 
 def retire_shards_beyond(store: RunStore, count: int) -> list[str]:
     """Remove every later stage's files of prompt shards the layout no longer has (the dataset shrank, or
-    `shard_size` grew): their prompts now sit in other shards, where they are asked again, and a folder read
-    whole by a trainer must never hold a prompt twice. Returns what it removed."""
-    retired = store.shard_files_outside(set(range(count)))
+    `shard_size` grew): their prompts now sit in other shards, and a folder read whole by a trainer must never hold
+    a prompt twice. Their answers stay for generation, which adopts them where their prompts are now, then removes
+    them. Returns what it removed."""
+    retired = [rel for rel in store.shard_files_outside(set(range(count))) if not holds_answers(rel)]
     for rel in retired:
         store.remove(rel)
     return retired

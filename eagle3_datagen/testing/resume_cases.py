@@ -330,7 +330,7 @@ def _logged_answers(run: Path, settings: str) -> set[str]:
         for line in path.read_text().splitlines():
             entry = json.loads(line)
             if partial and "discard" in entry:
-                logged.pop(entry["id"], None)
+                logged.pop(prompt_id_of(entry["id"]), None)
             for record in entry.get("records", []) if partial else [entry]:
                 if signed_settings(record.get("content") or "") == settings:
                     logged[prompt_id_of(record["id"])] = record["messages"][-1]["content"]

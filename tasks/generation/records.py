@@ -16,13 +16,14 @@ import functools
 import hashlib
 import json
 import os
+import posixpath
 import shutil
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import orjson
 
@@ -30,10 +31,12 @@ from eagle3_datagen.artifacts import (
     GenerationRecord,
     ShardRef,
     artifact_path,
+    holds_answers,
     prompt_id_of,
     rejected_path,
     sample_id,
     sha256_hex,
+    shard_index_of,
 )
 from eagle3_datagen.caching import StageOutput
 from eagle3_datagen.config import GenerationConfig
@@ -93,12 +96,21 @@ def refuse_other_settings(settings: GenerationSettings, run: RunLocation) -> Non
 def _pinned_unless_other(store: RunStore, settings: GenerationSettings) -> dict[str, Any] | None:
     """The settings the run is pinned to (None: not yet), unless they are other ones (refused in one line)."""
     pinned = store.read_json(SETTINGS_FILE) if store.exists(SETTINGS_FILE) else None
-    if pinned is not None and pinned["fingerprint"] != settings.fingerprint():
+    if pinned is not None and pinned["fingerprint"] != _as_pinned(settings, pinned).fingerprint():
         raise GenerationError(
             f"run {store.uri} was generated with other settings (model, sampling, modes, profile or prompt "
             f"source differ): use a new run_name, or restore the settings recorded in {SETTINGS_FILE}"
         )
     return pinned
+
+
+def _as_pinned(settings: GenerationSettings, pinned: dict[str, Any]) -> GenerationSettings:
+    """`settings` with the prompt source as the pin wrote it, where that names the same file: runs pinned before
+    local sources were recorded absolute wrote the path relative to where they started."""
+    written = str(pinned.get("prompt_source", ""))
+    if written and not Path(written).is_absolute() and str(Path(written).resolve()) == settings.prompt_source:
+        return replace(settings, prompt_source=written)
+    return settings
 
 
 def pin_settings(store: RunStore, settings: GenerationSettings) -> tuple[str, bool]:
@@ -262,7 +274,10 @@ def log_line(entry: dict[str, Any]) -> str:
     return f'{head[:-1]}, "records": [{", ".join(entry["lines"])}]}}'
 
 
-def place(entries: dict[int, dict[str, Any]], turns: dict[int, list[str]], at: int, entry: dict[str, Any]) -> bool:
+K = TypeVar("K")  # where an entry is placed: a position in a shard, or a prompt id in the run's answer pool
+
+
+def place(entries: dict[K, dict[str, Any]], turns: dict[K, list[str]], at: K, entry: dict[str, Any]) -> bool:
     """Apply one log entry (kept form) at position `at`: a prompt's outcome goes to `entries`; a rollout's turn
     (`turn` k) adds its records to the conversation's `turns` while it goes on, and the conversation moves to
     `entries` with every turn's records once it ends (`ended`, or a rejection). A `discard` voids the prompt, or
@@ -329,6 +344,7 @@ class Replay:
     entries: dict[int, dict[str, Any]] = field(default_factory=dict)
     turns: dict[int, list[str]] = field(default_factory=dict)  # records of rollouts still going on, per position
     dropped: set[str] = field(default_factory=set)  # ids of the answers whose prompt is no longer in the shard
+    recut: bool = False  # a log was written against other prompts: answers may have moved between shards
 
     def apply(self, lines: list[str], source: str) -> bool:
         """Apply a log's lines in order; False, with nothing applied, when the log is another run's."""
@@ -347,6 +363,7 @@ class Replay:
             entry = json.loads(line)
             if "run_id" in entry:
                 same_prompts = entry["prompts_sha256"] == self.prompts.sha256
+                self.recut |= not same_prompts
                 continue
             at = entry["position"] if same_prompts else self.positions().get(prompt_id_of(entry["id"]))
             if at is None:
@@ -374,6 +391,8 @@ class ShardState:
     log: IO[str] | None = None
     spill: Callable[[str, list[str]], None] | None = None
     fence: Callable[[], None] | None = None  # refuses an append once another writer holds the run (a local log)
+    positions: Callable[[], dict[str, int]] = dict  # prompt id to position in this shard (read once, if asked)
+    recut: bool = False  # its sources were written for other prompts: some of its answers may be in other shards
     segments: int = 0
     pending: list[str] = field(default_factory=list)
     spilled_at: float = field(default_factory=time.monotonic)
@@ -381,18 +400,35 @@ class ShardState:
     def append(self, prompt: Prompt, **outcome: Any) -> None:
         """Log how `prompt` ended: `records`, `rejected` or `discard` (and a rollout's `turn`, `ended`); the entry
         carries the prompt's own id and position, so it can never be placed at another prompt's."""
+        entry = kept_form({"id": prompt.record_id, "position": prompt.position, **prompt.turn_fields(), **outcome})
+        self._log(entry)
+        placed = place(self.entries, self.turns, prompt.position, entry)
+        assert placed, f"turn {entry.get('turn')} of {prompt.record_id} does not follow its conversation's last"
+
+    def adopt(self, prompt_id: str, at: int, outcome: dict[str, Any] | None, turns: list[str]) -> None:
+        """Keep here, logged as if asked here, what the prompt at `at` got in another shard of an earlier layout:
+        its `outcome` (an answer, a rejection, a whole conversation), or a rollout's `turns` so far."""
+        if outcome is not None:
+            entry = {**{key: value for key, value in outcome.items() if key != "position"}, "id": prompt_id,
+                     "position": at}
+            self._log(entry)
+            place(self.entries, self.turns, at, entry)
+            return
+        for turn, line in enumerate(turns):
+            entry = {"id": turn_id(prompt_id, turn), "position": at, "turn": turn, "lines": [line]}
+            self._log(entry)
+            place(self.entries, self.turns, at, entry)
+
+    def _log(self, entry: dict[str, Any]) -> None:
         if self.fence is not None:
             self.fence()
         if self.log is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self.log = self.log_path.open("a", encoding="utf-8")
             self.log.write(self.header + "\n")
-        entry = kept_form({"id": prompt.record_id, "position": prompt.position, **prompt.turn_fields(), **outcome})
         line = log_line(entry)
         self.log.write(line + "\n")
         self.log.flush()
-        placed = place(self.entries, self.turns, prompt.position, entry)
-        assert placed, f"turn {entry.get('turn')} of {prompt.record_id} does not follow its conversation's last"
         if self.spill is not None:
             self.pending.append(line)
             if len(self.pending) >= SEGMENT_RECORDS or time.monotonic() - self.spilled_at >= SEGMENT_EVERY_S:
@@ -428,9 +464,11 @@ def resume_shard(store: RunStore, prompts: ShardRef, run_id: str, spill: Callabl
     previous = finished_shard(store, prompts.index, replay.positions)
     if previous is not None:
         replay.entries = previous[1]
+        marker = store.read_marker(artifact_path("generations", prompts.index))
+        replay.recut = marker is None or marker.get("prompts_sha256") != prompts.sha256
     local = store.local_path(segment_folder(prompts.index)) is not None  # the log is in the run folder
     state = ShardState(prompts, partial_log_path(store, prompts.index, run_id), log_header(run_id, prompts),
-                       spill=spill, fence=store.check_fence if local else None)
+                       spill=spill, fence=store.check_fence if local else None, positions=replay.positions)
     stale: list[str] = []
     for rel in store.list(segment_folder(prompts.index), ".jsonl") if spill is not None else []:
         if replay.apply(store.read_text(rel).splitlines(), rel):
@@ -444,11 +482,66 @@ def resume_shard(store: RunStore, prompts: ShardRef, run_id: str, spill: Callabl
     if stale:
         log.warning("removed %s: partial logs of another run that had this run's name", ", ".join(stale))
     if replay.dropped:
-        log.warning("shard %05d: %d answers dropped, their prompts are no longer in the shard (the prompts "
-                    "changed since they were logged): they are asked again where they are now",
+        log.warning("shard %05d: %d logged answers are of prompts no longer in this shard (the prompts changed "
+                    "since they were logged): each is kept in the shard that holds its prompt now, if any",
                     prompts.index, len(replay.dropped))
-    state.entries, state.turns = replay.entries, replay.turns
+    state.entries, state.turns, state.recut = replay.entries, replay.turns, replay.recut
     return state
+
+
+def answer_pool(store: RunStore, run_id: str, wanted: set[str]) -> tuple[dict[str, dict[str, Any]],
+                                                                         dict[str, list[str]]]:
+    """What the run holds for the prompts `wanted`, wherever a shard of any layout wrote or logged it: finished
+    shards, their rejections, and this run's partial logs and segments. Outcomes and rollouts still going on, by
+    prompt id; only the wanted ones are kept in memory."""
+    entries: dict[str, dict[str, Any]] = {}
+    turns: dict[str, list[str]] = {}
+    indexes = sorted({index for name in store.list("generations") if (index := shard_index_of(
+        posixpath.basename(name))) is not None} | set(_spooled_indexes(store, run_id)))
+    for index in indexes:
+        finished = artifact_path("generations", index)
+        for line in store.read_text(finished).splitlines() if store.exists(finished) else []:
+            if (pid := prompt_id_of(json.loads(line)["id"])) in wanted:
+                entries.setdefault(pid, {"lines": []})["lines"].append(line)
+        rejected = rejected_path("generations", index)
+        for row in store.read_jsonl(rejected) if store.exists(rejected) else []:
+            if (pid := prompt_id_of(row["id"])) in wanted:
+                entries.setdefault(pid, {})["rejected"] = row
+        logs = [store.read_text(rel).splitlines() for rel in store.list(segment_folder(index), ".jsonl")]
+        logs.append(read_log_lines(partial_log_path(store, index, run_id)))
+        for lines in logs:
+            if not lines or json.loads(lines[0]).get("run_id") != run_id:
+                continue
+            for entry in map(json.loads, lines[1:]):
+                if "run_id" not in entry and (pid := prompt_id_of(entry["id"])) in wanted:
+                    place(entries, turns, pid, kept_form(entry))
+    return entries, turns
+
+
+def _spooled_indexes(store: RunStore, run_id: str) -> list[int]:
+    """The shards with a local partial log of this run in the spool (a run in object storage)."""
+    if store.local_path("generations") is not None:
+        return []
+    folder = spool_folder(store) / run_id / "generations"
+    return [index for log in folder.glob("*.partial.jsonl") if (index := shard_index_of(log.name)) is not None]
+
+
+def answers_beyond(store: RunStore, count: int) -> list[str]:
+    """What shards the layout no longer has left of their answers in the run: finished files, markers, rejections,
+    segments (and, on local disk, partial logs)."""
+    return [rel for rel in store.shard_files_outside(set(range(count))) if holds_answers(rel)]
+
+
+def retire_generations_beyond(store: RunStore, count: int, run_id: str | None) -> list[str]:
+    """Remove the answers of shards the layout no longer has, once generation has adopted what it needs of them
+    (their spooled partial logs too)."""
+    retired = answers_beyond(store, count)
+    for rel in retired:
+        store.remove(rel)
+    for index in _spooled_indexes(store, run_id) if run_id is not None else []:
+        if index >= count:
+            partial_log_path(store, index, run_id).unlink(missing_ok=True)
+    return retired
 
 
 def prompt_positions(store: RunStore, prompts: ShardRef) -> dict[str, int]:

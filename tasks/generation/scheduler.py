@@ -46,12 +46,15 @@ from tasks.generation.records import (
     GenerationSettings,
     Prompt,
     ShardState,
+    answer_pool,
+    answers_beyond,
     drop_other_spools,
     finalize_shard,
     marked_finished,
     new_records,
     pin_settings,
     resume_shard,
+    retire_generations_beyond,
     rollout_prompt,
 )
 
@@ -210,13 +213,32 @@ class GenerationScheduler:
             if (marked := marked_finished(self.store, ref)) is not None:
                 self.finished[ref.index] = marked
                 continue
-            state = resume_shard(self.store, ref, run_id, self._spill, self.log)
-            self.states[ref.index] = state
-            if not state.complete:
+            self.states[ref.index] = resume_shard(self.store, ref, run_id, self._spill, self.log)
+        self._adopt(run_id)
+        for ref in prompt_shards:
+            if (state := self.states.get(ref.index)) is not None and not state.complete:
                 self._unqueued.append(ref)
                 self.total += ref.num_records - len(state.entries)
         for index in [i for i, state in self.states.items() if state.complete]:
             self.finished[index] = finalize_shard(self.store, self.states.pop(index))
+        retire_generations_beyond(self.store, len(prompt_shards), run_id)
+
+    def _adopt(self, run_id: str) -> None:
+        """After a re-cut (a dataset edit, another `shard_size`, `limit` or `split`), a prompt's answer may sit in
+        another shard's files or logs: each unanswered prompt takes what the run holds for it, wherever that is,
+        before anything is asked. Runs whose shards kept their prompts read nothing more."""
+        count = len(self.states) + len(self.finished)
+        if not any(state.recut for state in self.states.values()) and not answers_beyond(self.store, count):
+            return
+        missing = {pid: (index, at) for index, state in self.states.items() if not state.complete
+                   for pid, at in state.positions().items() if at not in state.entries and at not in state.turns}
+        entries, turns = answer_pool(self.store, run_id, set(missing)) if missing else ({}, {})
+        for pid in entries.keys() | turns.keys():
+            index, at = missing[pid]
+            self.states[index].adopt(pid, at, entries.get(pid), turns.get(pid, []))
+        if entries or turns:
+            self.log.info("%d answers logged in other shards of an earlier layout kept where their prompts are now",
+                          len(entries) + len(turns))
 
     def _read_ahead(self) -> None:
         """Queue the next shards' unanswered prompts while fewer than a budget's worth wait: memory holds a few

@@ -17,7 +17,7 @@ from eagle3_datagen.config import PipelineConfig, ServerConfig, ValidationConfig
 from eagle3_datagen.errors import UserError, retry_unless_user_error
 from eagle3_datagen.storage import RunLocation
 from tasks.generation.progress import LiveProgress
-from tasks.generation.records import GENERATIONS, GenerationSettings, marked_finished
+from tasks.generation.records import GENERATIONS, GenerationSettings, marked_finished, retire_generations_beyond
 from tasks.generation.scheduler import GenerationScheduler
 
 
@@ -79,6 +79,7 @@ def generate(prompt_shards: list[ShardRef], job: GenerationJob, server: ServerCo
     store = run.store()
     marked = [marked_finished(store, ref) for ref in prompt_shards]
     if all(ref is not None for ref in marked):
+        retire_generations_beyond(store, len(prompt_shards), run_id=None)  # answers of prompts the dataset lost
         return handed_on([ref for ref in marked if ref is not None],
                          GENERATIONS.key(prompt_shards=prompt_shards, job=job))
     settings = job.settings

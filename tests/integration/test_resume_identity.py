@@ -73,8 +73,8 @@ def test_answers_follow_their_prompt_when_the_dataset_gains_a_row(tmp_path: Path
 
 def test_a_prompt_that_moved_to_another_shard_is_answered_once_there(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """`shard_size` changed between attempts: answers logged for prompts now in another shard are dropped with a
-    log line and asked there, never kept in two shards nor placed at another prompt."""
+    """`shard_size` changed between attempts: answers logged for prompts now in another shard are kept there, not
+    asked again, never kept in two shards nor placed at another prompt."""
     store = RunStore(str(tmp_path), "run")
     [ref] = write_prompt_shards(store, 1, 6)
     stop_short(store, [ref], "question 0-5")
@@ -82,9 +82,12 @@ def test_a_prompt_that_moved_to_another_shard_is_answered_once_there(
     smaller = [store.write_shard("prompts", 0, rows[:3]), store.write_shard("prompts", 1, rows[3:])]
     with ScriptedServer(Script()) as server, caplog.at_level(logging.WARNING, "test"):
         run_generation(store, smaller, [server.url])
-        assert asked(server) == ["question 0-3", "question 0-4", "question 0-5"]
+        assert asked(server) == ["question 0-5"], "only the prompt never answered is asked"
     assert assert_exactly_once(store, smaller) == (6, 0)
-    assert any("shard 00000: 2 answers dropped" in r.getMessage() for r in caplog.records)
+    assert any("shard 00000: 2 logged answers are of prompts no longer in this shard" in r.getMessage()
+               for r in caplog.records)
+    for record in store.read_jsonl(artifact_path("generations", 1)):
+        assert record["reasoning"] == expected_reasoning(record["messages"][-1]["content"]), "its own answer"
 
 
 def test_a_partial_log_of_an_older_version_is_refused_with_one_line(tmp_path: Path) -> None:

@@ -149,3 +149,24 @@ def test_a_run_in_object_storage_resumes_from_its_spool_and_segments_holding_the
     finalize_shard(store, state)
     assert [record["id"] for record in store.read_jsonl(artifact_path("generations", 0))] == [
         "single", "running:turn0", "running:turn1", "running:turn2", "ended:turn0", "ended:turn1"]
+
+
+def test_a_run_pinned_with_a_relative_source_resumes_once_sources_are_recorded_absolute(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run pinned before local sources were made absolute wrote `data.jsonl`; its re-run names the same file
+    absolutely, and is not refused for it. Another file still is."""
+    from eagle3_datagen.config import GenerationConfig
+    from eagle3_datagen.profiles import BUILTIN_PROFILES
+    from tasks.generation.records import GenerationError, GenerationSettings, pin_settings
+
+    monkeypatch.chdir(tmp_path)
+    store = RunStore(str(tmp_path), "run")
+
+    def settings(source: str) -> GenerationSettings:
+        return GenerationSettings("m", BUILTIN_PROFILES["qwen3"], GenerationConfig(max_tokens=64), source)
+
+    run_id, fresh = pin_settings(store, settings("data.jsonl"))
+    assert fresh
+    assert pin_settings(store, settings(str(tmp_path / "data.jsonl"))) == (run_id, False)
+    with pytest.raises(GenerationError, match="generated with other settings"):
+        pin_settings(store, settings(str(tmp_path / "other.jsonl")))
