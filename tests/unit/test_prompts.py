@@ -363,16 +363,19 @@ def test_an_empty_dataset_is_named_as_such(tmp_path: Path, name: str) -> None:
 
 def test_a_coarser_layout_removes_every_later_stage_file_of_the_shards_it_no_longer_has(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Their answers stay until generation has adopted them where their prompts are now, then go too."""
+    from tasks.generation.records import retire_generations_beyond
+
     source = write_rows(tmp_path / "data.jsonl", [question(n) for n in range(6)])
     result, store = run(tmp_path, source, shard_size=2)
     assert len(result.shards) == 3
     kept = ["generations/settings.json", "generations/shard-00000.jsonl", "sequences/shard-00000.parquet",
             "rejected/prompts.jsonl"]
-    retired = ["generations/shard-00001.jsonl", "generations/shard-00001.done.json",
+    answers = ["generations/shard-00001.jsonl", "generations/shard-00001.done.json",
                "generations/shard-00002.partial.jsonl", "generations/shard-00002.partial/segment-00000.jsonl",
-               "validation/shard-00001.json", "sequences/shard-00002.parquet",
-               "hidden_states/shard-00001/index.json", "rejected/generations-shard-00002.jsonl"]
-    for rel in kept[:-1] + retired:
+               "rejected/generations-shard-00002.jsonl"]
+    retired = ["validation/shard-00001.json", "sequences/shard-00002.parquet", "hidden_states/shard-00001/index.json"]
+    for rel in kept[:-1] + answers + retired:
         store.write_bytes(rel, b"{}\n")
 
     with caplog.at_level("WARNING"):
@@ -381,9 +384,13 @@ def test_a_coarser_layout_removes_every_later_stage_file_of_the_shards_it_no_lon
     assert len(result.shards) == 1
     assert [rel for rel in kept if store.exists(rel)] == kept
     assert [rel for rel in retired if store.exists(rel)] == []
-    assert not store.exists("hidden_states/shard-00001") and not store.exists("generations/shard-00002.partial")
-    assert "removed 8 files and folders of shard-00001 and later shards, made for an earlier shard layout" \
+    assert not store.exists("hidden_states/shard-00001")
+    assert "removed 3 files and folders of shard-00001 and later shards, made for an earlier shard layout" \
         in caplog.text
+    assert [rel for rel in answers if store.exists(rel)] == answers, "left for generation to adopt"
+    retire_generations_beyond(store, len(result.shards), run_id=None)
+    assert [rel for rel in answers if store.exists(rel)] == [] and not store.exists("generations/shard-00002.partial")
+    assert [rel for rel in kept if store.exists(rel)] == kept
 
 
 def test_verify_names_files_of_shards_the_prompts_no_longer_have(tmp_path: Path) -> None:
