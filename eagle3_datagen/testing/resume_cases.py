@@ -40,7 +40,7 @@ from eagle3_datagen.config import DataConfig
 from eagle3_datagen.holdout import HoldoutChooser
 from eagle3_datagen.modes import DEFAULT_MODE
 from eagle3_datagen.testing.processes import as_from_a_terminal
-from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, signed_settings
+from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, questions, signed_settings
 
 QUESTIONS = 60  # the pool the datasets draw their rows from
 FAULTS = ("none", "none", "401-burst", "500s", "death")
@@ -337,10 +337,6 @@ def _logged_answers(run: Path, settings: str) -> set[str]:
     return set(logged.values())
 
 
-def _asked(server: ScriptedServer) -> list[str]:
-    return [body["messages"][-1]["content"] for body in server.log.bodies]
-
-
 def _manifest(run: Path) -> bytes | None:
     path = run / "manifest.json"
     return path.read_bytes() if path.exists() else None
@@ -364,7 +360,7 @@ def run_case(case: Case, folder: Path, model: Path, model_name: str, tokenizer: 
         finally:
             server.__exit__(None, None, None)
         label = f"attempt {number + 1} ({attempt.fault}, {attempt.stop_signal}, {attempt.checkpoint})"
-        outcome.violations += _attempt_violations(label, ran, logged, _asked(server), manifest, run)
+        outcome.violations += _attempt_violations(label, ran, logged, questions(server.log.bodies or []), manifest, run)
         if ran.kill_point:
             outcome.kill_points.append(ran.kill_point)
             continue

@@ -128,6 +128,11 @@ def scripted_latency(script: Script, index: int) -> float:
     return script.latency_s * math.exp(draw.gauss(0.0, script.latency_sigma))
 
 
+def questions(bodies: list[dict[str, Any]]) -> list[str]:
+    """The question each request asked (its last message), in arrival order: what a test counts asked again."""
+    return [body["messages"][-1]["content"] for body in bodies]
+
+
 @dataclass
 class Log:
     """What the server saw. `bodies` and `in_flight_samples` grow with every request: None stops keeping them."""

@@ -26,7 +26,7 @@ from cli.main import main
 from eagle3_datagen.config import ServerConfig, ValidationConfig, parse_config
 from eagle3_datagen.storage import RunStore
 from eagle3_datagen.testing.processes import as_from_a_terminal
-from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
+from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, questions
 from eagle3_datagen.think_tokens import load_tokenizer
 from tasks.generation import generate_shards
 from tasks.generation.scheduler import GenerationCancelled
@@ -70,10 +70,6 @@ def logged(run: Path) -> set[str]:
 def generated(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for shard in sorted((run / "generations").glob("shard-?????.jsonl"))
             for line in shard.read_text().splitlines()]
-
-
-def questions(bodies: list[dict[str, Any]]) -> list[str]:
-    return [body["messages"][-1]["content"] for body in bodies]
 
 
 def test_the_stop_event_ends_generation_at_once_and_keeps_every_answer_logged_for_the_next_run(

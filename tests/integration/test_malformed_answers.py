@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from test_generation_faults import assert_exactly_once, run_generation, write_prompt_shards
 
 from eagle3_datagen.artifacts import artifact_path, rejected_path
 from eagle3_datagen.storage import RunStore
-from eagle3_datagen.testing.scripted_server import Script, ScriptedServer
+from eagle3_datagen.testing.scripted_server import Script, ScriptedServer, questions
 from tasks.generation import GenerationError
 
 MAX_RETRIES = 2
-
-
-def questions(bodies: list[dict[str, Any]]) -> list[str]:
-    return [body["messages"][-1]["content"] for body in bodies]
 
 
 def test_a_prompt_always_answered_with_a_broken_body_is_rejected_with_its_reason_and_never_asked_again(
